@@ -1,0 +1,238 @@
+"""DFlash 2 drafter configuration.
+
+One config object carries the drafter's own architecture (a Qwen3-style decoder
+stack) and its relation to the TARGET it drafts for (which target layers feed it,
+the mask token, the block size, the target's logit transforms).
+
+Serialised ``config.json`` is readable by three consumers at once:
+
+* transformers ``AutoConfig``/``AutoModel`` with ``trust_remote_code`` (``auto_map``);
+* transformers' built-in DFlash path, which reads ``target_layer_ids``,
+  ``block_size`` and ``mask_token_id`` at the top level;
+* SGLang / vLLM, which read ``architectures: ["DFlash2DraftModel"]`` and the nested
+  ``dflash_config`` dict.
+
+The official release format (``model_type: qwen3`` + nested ``dflash_config``) is read
+by ``DFlash2Config.from_pretrained`` / ``from_dict`` as well.
+"""
+
+from __future__ import annotations
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+# Keys of the nested ``dflash_config`` dict read by SGLang and vLLM.
+DFLASH_CONFIG_KEYS = (
+    "block_size",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "mask_token_id",
+    "target_layer_ids",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+    "target_hidden_reduction",
+)
+# Optional keys are written only when set, as in the official checkpoint.
+_OPTIONAL_DFLASH_KEYS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale", "target_hidden_reduction")
+TARGET_HIDDEN_REDUCTIONS = ("mean", "first", "concat")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Spread ``num_draft_layers`` context taps over the target: ``round(1 + i*(L-4)/(n-1))``."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    step = (num_target_layers - 4) / (num_draft_layers - 1)
+    return [int(math.floor(1 + i * step + 0.5)) for i in range(num_draft_layers)]
+
+
+@strict
+class DFlash2Config(PreTrainedConfig):
+    r"""
+    Configuration of a DFlash 2 block-diffusion drafter.
+
+    Architecture of the drafter (Qwen3-style decoder, non-causal inside a block):
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+        num_key_value_heads, head_dim, hidden_act, rms_norm_eps, rope_parameters,
+        max_position_embeddings, attention_bias, attention_dropout, sliding_window, layer_types.
+        ``vocab_size`` and ``hidden_size`` are the TARGET's: the drafter uses the target's
+        embedding table and LM head, which are never stored in the drafter checkpoint.
+
+    Relation to the target:
+        num_target_layers (`int`): layer count of the target (validates ``target_layer_ids``).
+        target_layer_ids (`list[int]`): target layers whose outputs feed the drafter
+            (``hidden_states[l + 1]`` in transformers). Default: spread over the target.
+        block_size (`int`): tokens per draft block, anchor included (drafts ``block_size - 1``).
+        mask_token_id (`int`): an unused row of the target's embedding table.
+        output_multiplier, final_logit_softcapping, input_embedding_scale (`float`, optional):
+            the target's own logit/embedding transforms, reproduced on the draft side.
+        target_hidden_reduction (`str`, optional): how a target with several residual
+            streams per layer (hyper-connections, hidden states ``[b, t, streams, H]``)
+            is reduced to ``[b, t, H]``: ``"mean"`` (as the target's own final collapse).
+        target_model_type, target_name_or_path (`str`, optional): which target this drafter
+            was trained for; named in the error raised for an incompatible target.
+
+    DFlash 2 additions (each pair is all-or-none; ``None`` gives a plain DFlash drafter):
+        conv_kernel_size, conv_group_size: two-tap grouped dynamic causal convolution.
+        selector_rank, selector_top_k: the candidate selector over the per-position top-k.
+    """
+
+    model_type = "dflash2"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 9
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    is_causal: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    num_target_layers: int | None = None
+    target_layer_ids: list[int] | None = None
+    block_size: int = 16
+    mask_token_id: int | None = None
+    conv_kernel_size: int | None = 2
+    conv_group_size: int | None = 16
+    selector_rank: int | None = 256
+    selector_top_k: int | None = 16
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
+    target_hidden_reduction: str | None = None
+    target_model_type: str | None = None
+    target_name_or_path: str | None = None
+    dflash_config: dict | None = None
+    auto_map: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        # The nested dict (official / SGLang format) fills whatever the top level leaves unset.
+        nested = dict(self.dflash_config or {})
+        unknown = set(nested) - set(DFLASH_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"dflash_config has unknown keys {sorted(unknown)}; known keys: {list(DFLASH_CONFIG_KEYS)}")
+        for key, value in nested.items():
+            setattr(self, key, value)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not self.use_sliding_window:
+            self.sliding_window = None
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 1_000_000.0)}
+        if self.target_layer_ids is None and self.num_target_layers is not None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.auto_map is None:
+            self.auto_map = {
+                "AutoConfig": "configuration_dflash2.DFlash2Config",
+                "AutoModel": "modeling_dflash2.DFlash2DraftModel",
+            }
+        self.dflash_config = self.nested_dflash_config()
+        super().__post_init__(**kwargs)
+
+    def nested_dflash_config(self) -> dict:
+        """The ``dflash_config`` dict that SGLang and vLLM read."""
+        out = {}
+        for key in DFLASH_CONFIG_KEYS:
+            value = getattr(self, key)
+            if value is None and (key in _OPTIONAL_DFLASH_KEYS or key.startswith(("conv_", "selector_"))):
+                continue
+            out[key] = value
+        return out
+
+    def to_dict(self):
+        self.dflash_config = self.nested_dflash_config()
+        return super().to_dict()
+
+    # ---- validation (called by @strict on construction) -------------------------------------------------------
+
+    @property
+    def use_conv(self) -> bool:
+        return self.conv_kernel_size is not None
+
+    @property
+    def use_selector(self) -> bool:
+        return self.selector_rank is not None
+
+    def validate_architecture(self):
+        """Impossible settings fail here, naming the setting and the fix."""
+        if self.hidden_size % self.num_attention_heads and self.head_dim is None:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}; set head_dim")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (the anchor plus one drafted token), got {self.block_size}")
+        for a, b in (("conv_kernel_size", "conv_group_size"), ("selector_rank", "selector_top_k")):
+            if (getattr(self, a) is None) != (getattr(self, b) is None):
+                raise ValueError(f"{a} and {b} go together: set both (DFlash 2) or neither (plain DFlash)")
+        if self.use_conv:
+            if self.conv_kernel_size < 1:
+                raise ValueError(f"conv_kernel_size must be >= 1, got {self.conv_kernel_size}")
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by conv_group_size ({self.conv_group_size}): "
+                    "pick a group size that divides the hidden size"
+                )
+        if self.use_selector:
+            if self.selector_rank < 1:
+                raise ValueError(f"selector_rank must be >= 1, got {self.selector_rank}")
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_top_k must be in [1, vocab_size={self.vocab_size}], got {self.selector_top_k}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}): "
+                "use an unused row of the target's embedding table"
+            )
+        if self.target_layer_ids is not None:
+            if not self.target_layer_ids:
+                raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer")
+            if self.num_target_layers is not None:
+                bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+                if bad:
+                    raise ValueError(
+                        f"target_layer_ids {bad} are out of range for a target with {self.num_target_layers} layers "
+                        f"(valid: 0..{self.num_target_layers - 1})"
+                    )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise ValueError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping}")
+        if self.target_hidden_reduction is not None and self.target_hidden_reduction not in TARGET_HIDDEN_REDUCTIONS:
+            raise ValueError(f"target_hidden_reduction must be one of {TARGET_HIDDEN_REDUCTIONS} or None, got {self.target_hidden_reduction!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
+
+
+__all__ = ["DFlash2Config", "default_target_layer_ids"]

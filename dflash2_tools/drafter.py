@@ -1,0 +1,51 @@
+"""Load the root remote-code modules the way a user does (``trust_remote_code``), never by plain import.
+
+The repository root IS the Hub repo; its modules use relative imports, so they are loaded
+through transformers' dynamic-module machinery exactly as ``AutoModel.from_pretrained(REPO,
+trust_remote_code=True)`` would.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module(name: str, repo: str | Path = REPO_ROOT):
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    anchor = {"configuration_dflash2": "DFlash2Config", "modeling_dflash2": "DFlash2DraftModel"}[name]
+    cls = get_class_from_dynamic_module(f"{name}.{anchor}", str(repo))
+    return sys.modules[cls.__module__]
+
+
+def modeling(repo: str | Path = REPO_ROOT):
+    """The root ``modeling_dflash2`` module (and through it the generation module)."""
+    return _module("modeling_dflash2", repo)
+
+
+def generation(repo: str | Path = REPO_ROOT):
+    mod = modeling(repo)
+    return sys.modules[mod.__name__.rsplit(".", 1)[0] + ".generation_dflash2"]
+
+
+def config_module(repo: str | Path = REPO_ROOT):
+    mod = modeling(repo)
+    return sys.modules[mod.__name__.rsplit(".", 1)[0] + ".configuration_dflash2"]
+
+
+def config_class(repo: str | Path = REPO_ROOT):
+    return modeling(repo).DFlash2Config
+
+
+def model_class(repo: str | Path = REPO_ROOT):
+    return modeling(repo).DFlash2DraftModel
+
+
+def load_drafter(path: str | Path = REPO_ROOT, **kwargs):
+    """``AutoModel.from_pretrained(path, trust_remote_code=True)``; the shipped drafter by default."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(path), trust_remote_code=True, **kwargs)

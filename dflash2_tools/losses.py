@@ -1,0 +1,114 @@
+"""Training objective of a DFlash 2 drafter (SPEC section 2c), as pure functions.
+
+Many blocks per sequence are trained in ONE drafter forward: block b starts at a random
+anchor a_b (a response token), holds ``[tok[a_b], MASK, ..., MASK]`` and predicts
+``tok[a_b + 1 .. a_b + B - 1]``; it sees the target features of tokens < a_b and its own
+block only (``multi_block_training_mask``), exactly what it sees at inference.
+
+    loss = sum_k w_k CE(draft_logits_k, tok[a + k]) / sum_k w_k          w_k = exp(-(k-1)/gamma)
+         + selector_weight * CE(S_k(tok[a + k - 1], top-K_k), tok[a + k])   (only where tok[a+k] is in the top-K)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def position_weights(block_size: int, gamma: float | None = None, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1 -> [B-1]."""
+    if gamma is None:
+        gamma = DEFAULT_GAMMA.get(block_size, max(block_size / 2.0, 1.0))
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(
+    lengths: torch.Tensor, prompt_lengths: torch.Tensor, n_blocks: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchors from response tokens: a in [prompt_len - 1, len - 2] (the block must predict >= 1 token).
+
+    The anchor may be the last prompt token: its block predicts the first response tokens.
+    Returns anchors [b, n_blocks] (distinct where possible) and valid [b, n_blocks] (False = padding block).
+    """
+    b = lengths.shape[0]
+    anchors = torch.zeros(b, n_blocks, dtype=torch.long)
+    valid = torch.zeros(b, n_blocks, dtype=torch.bool)
+    for i in range(b):
+        lo = max(int(prompt_lengths[i]) - 1, 0)
+        hi = int(lengths[i]) - 2  # inclusive
+        if hi < lo:
+            continue
+        span = hi - lo + 1
+        pick = torch.randperm(span, generator=generator)[:n_blocks] + lo
+        anchors[i, : len(pick)] = pick.sort().values
+        valid[i, : len(pick)] = True
+    return anchors, valid
+
+
+def block_inputs(
+    tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block input ids [b, n*B] (anchor then MASKs) and labels [b, n, B-1] (IGNORE past the end / padding blocks)."""
+    b, n = anchors.shape
+    k = torch.arange(block_size)
+    pos = anchors[:, :, None] + k  # [b, n, B]
+    in_range = (pos < lengths[:, None, None]) & valid[:, :, None]  # [b, n, B]
+    gathered = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1).view(b, -1)).view(b, n, block_size)  # [b, n, B]
+    labels = torch.where(in_range, gathered, torch.full_like(gathered, IGNORE))[:, :, 1:]  # [b, n, B-1]
+    ids = torch.full_like(gathered, mask_token_id)
+    ids[:, :, 0] = gathered[:, :, 0]
+    return ids.view(b, n * block_size), labels
+
+
+def block_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits [b, n, B-1, V], labels [b, n, B-1], weights [B-1] -> weighted mean CE over valid positions."""
+    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    ce = ce.view(labels.shape)  # [b, n, B-1]
+    w = weights.to(ce.device)[None, None, :] * (labels != IGNORE)  # [b, n, B-1]
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def selector_cross_entropy(
+    selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selector term: S_k over the top-K with the predecessor teacher-forced to the true token.
+
+    hidden [b, n, B-1, H], logits [b, n, B-1, V], anchor_ids [b, n], labels [b, n, B-1].
+    Positions whose true token is outside the top-K are skipped. Returns (loss, fraction in top-K).
+    """
+    top_values, top_ids = logits.detach().float().topk(selector.top_k, dim=-1)  # [b, n, B-1, K]
+    predecessors = torch.cat([anchor_ids[:, :, None], labels[:, :, :-1]], dim=-1).clamp(min=0)  # [b, n, B-1]
+    gated = selector.hidden_projection(hidden).float()  # [b, n, B-1, R]
+    scores = selector.scores(gated, top_values, top_ids, predecessors)  # [b, n, B-1, K]
+    hit = top_ids == labels[..., None]  # [b, n, B-1, K]
+    in_top = hit.any(-1) & (labels != IGNORE)  # [b, n, B-1]
+    target = hit.float().argmax(-1)  # [b, n, B-1]
+    ce = F.cross_entropy(scores.flatten(0, 2), target.flatten(), reduction="none").view(labels.shape)
+    w = weights.to(ce.device)[None, None, :] * in_top
+    covered = in_top.sum() / (labels != IGNORE).sum().clamp(min=1)
+    return (ce * w).sum() / w.sum().clamp(min=1e-8), covered
+
+
+def acceptance_lengths(draft_tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """1 + number of leading drafted tokens equal to the labels, per block: [b, n, B-1] -> [b, n].
+
+    With labels = the target's own greedy continuation this is exactly the tokens one
+    target forward would commit for that block (greedy verification).
+    """
+    match = (draft_tokens == labels) & (labels != IGNORE)
+    return 1 + match.long().cumprod(dim=-1).sum(-1)
+
+
+def expected_acceptance_from_rates(per_position: list[float]) -> float:
+    """1 + sum_k P(first k drafts all accepted), from conditional per-position rates."""
+    total, run = 1.0, 1.0
+    for rate in per_position:
+        run *= rate
+        total += run
+    return total if math.isfinite(total) else float("nan")

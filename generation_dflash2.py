@@ -1,0 +1,375 @@
+"""DFlash 2 speculative generation for ``target.generate(**inputs, assistant_model=drafter)``.
+
+One decoding step (transformers' assisted-decoding loop drives it; batch size 1):
+
+    1. the target's previous verification forward gave hidden states of the tokens it just
+       committed; keep only ``target_layer_ids`` and append them to the drafter's context cache
+    2. draft: one drafter forward on ``[anchor, MASK * (B-1)]``; crop the block's K/V back off
+    3. propose: top-K of the draft logits at every position, then the selector walks one
+       path from the anchor (greedy, or sampled at the generation temperature)
+    4. verify: ONE target forward over the proposal; greedy keeps the longest prefix equal to
+       the target's argmax, sampling runs exact speculative sampling with the selector's q
+       as the proposal distribution (accept w.p. min(1, p/q), else resample norm(max(p-q, 0)))
+    5. the accepted tokens plus one bonus token are committed; go to 1
+
+The target never runs twice per step: its verification forward also yields the next
+step's context features (``output_hidden_states`` is asked for those layers only).
+
+transformers 5.23 gives a remote-code assistant no hook of its own, so importing this
+module wraps ``GenerationMixin._get_candidate_generator`` (and the generation-mode check)
+once: when, and only when, the assistant is a DFlash 2 drafter, our candidate generator is
+used; every other call goes to transformers unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from packaging import version
+from transformers.cache_utils import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+
+TESTED_TRANSFORMERS = (version.parse("5.23.0"), version.parse("5.24.0"))  # [min, max)
+TESTED_RANGE_TEXT = "transformers>=5.23,<5.24"
+
+
+def is_dflash2_drafter(model) -> bool:
+    return bool(getattr(model, "_is_dflash2_drafter", False)) or type(model).__name__ == "DFlash2DraftModel"
+
+
+def check_transformers_version() -> None:
+    current = version.parse(transformers.__version__)
+    if not TESTED_TRANSFORMERS[0] <= current < TESTED_TRANSFORMERS[1]:
+        raise RuntimeError(
+            f"DFlash 2 speculative generation is tested with {TESTED_RANGE_TEXT}; this is transformers "
+            f"{transformers.__version__}, whose assisted-decoding internals may differ. "
+            f"Install a tested version: pip install '{TESTED_RANGE_TEXT}'"
+        )
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DFlash2Stats:
+    """What one generation did. ``accept_lengths[i]``: tokens committed by draft-verify step i
+    (accepted drafts + the target's bonus token), i.e. tokens per target forward."""
+
+    block_size: int
+    accept_lengths: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+
+    def __post_init__(self):
+        n = self.block_size - 1
+        self.drafted_per_position = self.drafted_per_position or [0] * n
+        self.accepted_per_position = self.accepted_per_position or [0] * n
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.accept_lengths.append(accepted + 1)
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < accepted)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(draft position i accepted | drafted), i = 1..B-1 (acceptance implies all earlier accepted)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def histogram(self) -> dict[int, int]:
+        out = {k: 0 for k in range(1, self.block_size + 1)}
+        for length in self.accept_lengths:
+            out[length] = out.get(length, 0) + 1
+        return out
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / max(self.new_tokens, 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "steps": len(self.accept_lengths),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "draft_seconds": self.draft_seconds,
+            "seconds_per_token": self.seconds_per_token,
+            "per_position_acceptance": self.per_position_acceptance,
+            "acceptance_length_histogram": self.histogram(),
+            "accept_lengths": self.accept_lengths,
+        }
+
+
+_STATS_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash2_stats_sink", default=None)
+
+
+@contextlib.contextmanager
+def collect_stats():
+    """``with collect_stats() as runs: target.generate(..., assistant_model=drafter)`` -> runs[-1] is a DFlash2Stats."""
+    runs: list[DFlash2Stats] = []
+    token = _STATS_SINK.set(runs)
+    try:
+        yield runs
+    finally:
+        _STATS_SINK.reset(token)
+
+
+# ---- compatibility checks ---------------------------------------------------------------------------------------
+
+
+def _expected_target(drafter) -> str:
+    cfg = drafter.config
+    name = cfg.target_name_or_path or cfg.target_model_type or "the target it was trained for"
+    return f"this drafter expects {name} (vocab {cfg.vocab_size}, hidden size {cfg.hidden_size}" + (
+        f", {cfg.num_target_layers} layers)" if cfg.num_target_layers else ")"
+    )
+
+
+def check_compatible(target, drafter) -> None:
+    """Raise a clear error when the drafter cannot serve this target."""
+    tcfg = target.config.get_text_config()
+    dcfg = drafter.config
+    problems = []
+    if tcfg.vocab_size != dcfg.vocab_size:
+        problems.append(f"target vocab size {tcfg.vocab_size} != drafter vocab size {dcfg.vocab_size}")
+    if tcfg.hidden_size != dcfg.hidden_size:
+        problems.append(f"target hidden size {tcfg.hidden_size} != drafter hidden size {dcfg.hidden_size}")
+    n_layers = tcfg.num_hidden_layers
+    if dcfg.num_target_layers is not None and dcfg.num_target_layers != n_layers:
+        problems.append(f"target has {n_layers} layers, drafter was built for {dcfg.num_target_layers}")
+    elif max(dcfg.target_layer_ids) >= n_layers:
+        problems.append(f"target_layer_ids {dcfg.target_layer_ids} do not exist in a {n_layers}-layer target")
+    if problems:
+        raise ValueError("Incompatible target for this DFlash 2 drafter: " + "; ".join(problems) + f". {_expected_target(drafter)}.")
+    t_param = next(target.parameters())
+    d_param = next(drafter.parameters())
+    if t_param.device != d_param.device:
+        raise ValueError(f"drafter is on {d_param.device} but the target is on {t_param.device}: call drafter.to(target.device)")
+    if t_param.dtype != d_param.dtype:
+        raise ValueError(
+            f"drafter dtype {d_param.dtype} != target dtype {t_param.dtype}: load the drafter with "
+            f"dtype=target.dtype or call drafter.to(target.dtype)"
+        )
+
+
+# ---- target features ---------------------------------------------------------------------------------------------
+
+
+def reduce_streams(hidden: torch.Tensor, reduction: str | None) -> torch.Tensor:
+    """Hyper-connection targets give [b, t, streams, H]; reduce to [b, t, H] the way the config says."""
+    if hidden.dim() == 3:
+        return hidden
+    if reduction in (None, "mean"):
+        return hidden.mean(dim=2)
+    if reduction == "first":
+        return hidden[:, :, 0]
+    if reduction == "concat":
+        return hidden.flatten(2)
+    raise ValueError(f"unknown target_hidden_reduction {reduction!r}")
+
+
+def context_features(hidden_states, layer_ids: list[int], n_tokens: int, reduction: str | None = None) -> torch.Tensor:
+    """Features of the first ``n_tokens`` positions of a target forward: [b, n_tokens, len(layer_ids) * H].
+
+    ``hidden_states[0]`` is the embedding output, so target layer ``l`` is ``hidden_states[l + 1]``.
+    """
+    return torch.cat([reduce_streams(hidden_states[l + 1][:, :n_tokens], reduction) for l in layer_ids], dim=-1)
+
+
+# ---- drafting ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [b, n]
+    proposal_logits: torch.Tensor | None  # [b, n, V] log q (sampling) or None (greedy)
+
+
+def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float, generator=None) -> Draft:
+    """Turn drafter hiddens at drafted positions ([b, n, H]) into proposed tokens.
+
+    With a selector: top-K + selector walk; q = softmax(S/T) over the candidates.
+    Without one (plain DFlash): argmax, or a sample from softmax(logits/T).
+    """
+    logits = drafter.draft_logits(lm_head, hidden).float()  # [b, n, V]
+    if drafter.candidate_selector is not None:
+        walk = drafter.candidate_selector.walk(hidden, logits, anchor, temperature, generator)
+        return Draft(walk.tokens, walk.full_vocab_logits(logits.shape[-1]) if temperature > 0 else None)
+    if temperature > 0:
+        log_q = torch.log_softmax(logits / temperature, dim=-1)  # [b, n, V]
+        b, n, v = log_q.shape
+        tokens = torch.multinomial(log_q.exp().view(b * n, v), 1, generator=generator).view(b, n)
+        return Draft(tokens, log_q)
+    return Draft(logits.argmax(dim=-1), None)
+
+
+class DFlash2CandidateGenerator(CandidateGenerator):
+    """Candidate generator for transformers' assisted-decoding loop (batch size 1)."""
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter, generation_config, logits_processor=None):
+        check_compatible(target, drafter)
+        self.drafter = drafter
+        self.config = drafter.config
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.max_length = generation_config.max_length
+        self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.config.target_layer_ids]}
+        self.cache = DynamicCache()  # context K/V only; full layers (the sliding window is applied by the mask)
+        self.committed = 0  # tokens whose target features are in the drafter cache
+        self.last_drafted = 0
+        self.stats = DFlash2Stats(block_size=self.config.block_size)
+        self._start = time.perf_counter()
+        self._prompt_length = None
+        sink = _STATS_SINK.get()
+        if sink is not None:
+            sink.append(self.stats)
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs):
+        if self._prompt_length is None:
+            self._prompt_length = input_ids.shape[1]
+        self.last_drafted = 0
+        if is_first_iteration:  # the target's prefill comes first: it yields the prompt's features
+            return input_ids, None
+        block = self.config.block_size
+        n_draft = min(block - 1, self.max_length - input_ids.shape[1] - 1)
+        n_new = input_ids.shape[1] - 1 - self.committed  # committed tokens not yet in the drafter cache
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise RuntimeError("DFlash 2 needs the target's hidden states from its verification forward")
+        if n_draft <= 0:
+            return input_ids, None
+        t0 = time.perf_counter()
+        features = context_features(
+            model_outputs.hidden_states, self.config.target_layer_ids, n_new, self.config.target_hidden_reduction
+        )  # [1, n_new, n*H]
+        anchor = input_ids[:, -1]  # [1]
+        block_ids = torch.cat([input_ids[:, -1:], input_ids.new_full((1, block - 1), self.config.mask_token_id)], dim=1)
+        position_ids = torch.arange(self.committed, self.committed + n_new + block, device=input_ids.device)[None]
+        mask = model_kwargs.get("attention_mask") if model_kwargs else None
+        if mask is not None:
+            mask = torch.cat([mask[:, : self.committed + n_new], mask.new_ones((1, block))], dim=1)
+        out = self.drafter(
+            noise_embeds=self.drafter.embed_block(self.embed_tokens, block_ids),
+            context_hidden_states=features,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=self.cache,
+        )
+        self.cache.crop(-block)  # keep the context K/V only
+        self.committed += n_new
+        draft = propose(self.drafter, self.lm_head, out.last_hidden_state[:, 1 : 1 + n_draft], anchor, self.temperature)
+        self.last_drafted = n_draft
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=1), draft.proposal_logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self.last_drafted:
+            self.stats.record_step(self.last_drafted, int(num_matches))
+        self.stats.new_tokens = input_ids.shape[1] - self._prompt_length
+        self.stats.seconds = time.perf_counter() - self._start
+
+
+# ---- the hook into transformers ---------------------------------------------------------------------------------
+
+_UNSUPPORTED_MODE_HELP = {
+    "beam_search": "beam search (num_beams > 1)",
+    "beam_sample": "beam sampling (num_beams > 1, do_sample=True)",
+    "group_beam_search": "group beam search",
+    "constrained_beam_search": "constrained beam search",
+    "contrastive_search": "contrastive search (penalty_alpha with top_k)",
+    "dola_generation": "DoLa decoding",
+}
+
+
+def install_assisted_generation_hook() -> None:
+    """Route ``generate(assistant_model=<DFlash 2 drafter>)`` to DFlash2CandidateGenerator. Idempotent."""
+    from transformers.generation.utils import GenerationMixin
+
+    if getattr(GenerationMixin._get_candidate_generator, "_dflash2_hook", False):
+        return
+    original_get = GenerationMixin._get_candidate_generator
+    original_validate = GenerationMixin._validate_generation_mode
+
+    @functools.wraps(original_get)
+    def _get_candidate_generator(self, *args, **kwargs):
+        drafter = kwargs.get("assistant_model")
+        config = kwargs.get("generation_config", args[0] if args else None)
+        builtin = config is not None and (
+            config.speculation_type == "dflash"  # transformers' own DFlash-1 path (argmax drafting)
+            or config.prompt_lookup_num_tokens is not None
+            or config.assistant_early_exit is not None
+        )
+        if drafter is None or not is_dflash2_drafter(drafter) or builtin:
+            return original_get(self, *args, **kwargs)
+        check_transformers_version()
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DFlash 2 through target.generate(assistant_model=...) runs batch size 1 (transformers' assisted "
+                f"decoding loop), got batch size {input_ids.shape[0]}: generate prompt by prompt"
+            )
+        return DFlash2CandidateGenerator(self, drafter, config, kwargs.get("logits_processor"))
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        drafter = generation_mode_kwargs.get("assistant_model")
+        if drafter is not None and is_dflash2_drafter(drafter):
+            mode = str(getattr(generation_mode, "value", generation_mode))
+            if mode != "assisted_generation":
+                what = _UNSUPPORTED_MODE_HELP.get(mode, mode)
+                raise ValueError(
+                    f"DFlash 2 drafting supports greedy decoding and sampling only, not {what}. "
+                    "Use num_beams=1 (and no penalty_alpha), or generate without assistant_model."
+                )
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    _get_candidate_generator._dflash2_hook = True
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+
+
+def dflash2_generate(target, drafter, inputs=None, **generate_kwargs):
+    """Speculative generation that also returns its statistics.
+
+    Returns ``(output_ids, DFlash2Stats)``; ``output_ids`` is exactly what
+    ``target.generate(inputs, **generate_kwargs)`` returns (greedy) or a sample from the same
+    distribution (sampling).
+    """
+    install_assisted_generation_hook()
+    with collect_stats() as runs:
+        out = target.generate(inputs, assistant_model=drafter, **generate_kwargs)
+    stats = runs[-1] if runs else DFlash2Stats(block_size=drafter.config.block_size)
+    return out, stats
+
+
+__all__ = [
+    "DFlash2CandidateGenerator",
+    "DFlash2Stats",
+    "collect_stats",
+    "context_features",
+    "dflash2_generate",
+    "install_assisted_generation_hook",
+    "propose",
+]
