@@ -343,6 +343,8 @@ def install_assisted_generation_hook() -> None:
                     f"DFlash 2 drafting supports greedy decoding and sampling only, not {what}. "
                     "Use num_beams=1 (and no penalty_alpha), or generate without assistant_model."
                 )
+            if generation_config.speculation_type != "dflash":
+                check_compatible(self, drafter)  # before transformers' own vocab check, whose advice would not apply
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     _get_candidate_generator._dflash2_hook = True

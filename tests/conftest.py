@@ -94,3 +94,47 @@ def gen_module():
 @pytest.fixture(scope="session")
 def modeling_module():
     return root.modeling()
+
+
+def greedy_sequences(target, prompts, max_new_tokens=60):
+    """The target's own greedy continuations: (tokens, prompt_length) pairs, as regenerate.py stores them."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        full = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append((full[0].tolist(), len(p)))
+    return out
+
+
+def overfit_drafter(target, steps=120, seed=0, **overrides):
+    """A drafter that accepts many tokens: trained (with the real training code) on the target's greedy text."""
+    from types import SimpleNamespace
+
+    from dflash2_tools import train
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.config.vocab_size - 2, (n,), generator=g).tolist() for n in (3, 7, 12, 5)]
+    seqs = greedy_sequences(target, prompts)
+    drafter = tiny_drafter(target, randomize=False, **overrides).train()
+    args = SimpleNamespace(blocks_per_seq=12, gamma=None, selector_weight=1.0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    tokens, lengths, prompt_lengths = train.collate(seqs, pad_id=0)
+    for step in range(steps):
+        feats = train.target_features(target, tokens, lengths, drafter.config.target_layer_ids)
+        loss, _ = train.compute_loss(drafter, target, (tokens, lengths, prompt_lengths), feats, torch.Generator().manual_seed(step), args)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return drafter.eval(), prompts
+
+
+@pytest.fixture(scope="session")
+def llama_target():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="session")
+def accepting(llama_target):
+    """(target, drafter, training prompts) where the drafter accepts many tokens."""
+    drafter, prompts = overfit_drafter(llama_target)
+    return llama_target, drafter, prompts

@@ -1,0 +1,196 @@
+"""Lossless speculative generation through the plain ``target.generate(..., assistant_model=drafter)`` call."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import VOCAB, root, tiny_drafter, tiny_target
+from transformers.generation.streamers import BaseStreamer
+
+
+def _assert_same(target, drafter, ids, **kw):
+    ref = target.generate(ids, do_sample=False, **kw)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, **kw)
+    assert torch.equal(ref, out), (ref.tolist(), out.tolist())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_greedy_equals_target_with_random_drafter(arch):
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    g = torch.Generator().manual_seed(1)
+    for prompt_len, new in [(1, 1), (2, 7), (4, 30), (13, 17), (40, 25)]:
+        ids = torch.randint(0, VOCAB - 2, (1, prompt_len), generator=g)
+        _assert_same(target, drafter, ids, max_new_tokens=new)
+
+
+def test_greedy_equals_target_with_accepting_drafter(accepting, gen_module):
+    target, drafter, prompts = accepting
+    total_steps, total_tokens = 0, 0
+    for p in prompts:
+        for new in (1, 4, 5, 6, 23, 50):
+            ids = torch.tensor([p])
+            ref = target.generate(ids, do_sample=False, max_new_tokens=new)
+            out, stats = gen_module.dflash2_generate(target, drafter, ids, do_sample=False, max_new_tokens=new)
+            assert torch.equal(ref, out)
+            total_steps += len(stats.accept_lengths)
+            total_tokens += sum(stats.accept_lengths)
+    # the accept path is really exercised: several tokens per target forward on average
+    assert total_tokens / total_steps > 2.5
+
+
+def test_many_prompt_lengths_with_accepting_drafter(accepting):
+    target, drafter, prompts = accepting
+    base = prompts[1]
+    for cut in range(1, len(base) + 1):
+        _assert_same(target, drafter, torch.tensor([base[:cut]]), max_new_tokens=11 + cut)
+
+
+def test_eos_inside_a_block(accepting, gen_module):
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[1]])
+    free = target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=None)[0, ids.shape[1] :].tolist()
+    stats_seen = False
+    for pos in (3, 9, 14):
+        eos = free[pos]
+        first = free.index(eos)
+        for eos_arg in (eos, [VOCAB - 1, eos]):
+            ref = target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=eos_arg, pad_token_id=0)
+            out, stats = gen_module.dflash2_generate(target, drafter, ids, do_sample=False, max_new_tokens=40, eos_token_id=eos_arg, pad_token_id=0)
+            assert torch.equal(ref, out)
+            assert out.shape[1] - ids.shape[1] == first + 1  # stopped right after the first EOS
+            stats_seen |= any(length > 1 for length in stats.accept_lengths)
+    assert stats_seen
+
+
+def test_max_length_is_exact(accepting):
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[0]])
+    for max_length in range(ids.shape[1] + 1, ids.shape[1] + 14):
+        out = _assert_same(target, drafter, ids, max_length=max_length, eos_token_id=None, pad_token_id=0)
+        assert out.shape[1] == max_length
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_streams_the_same_tokens(accepting):
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[0]])
+    a, b = _Collect(), _Collect()
+    target.generate(ids, do_sample=False, max_new_tokens=30, streamer=a)
+    target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=30, streamer=b)
+    flat = lambda c: [t for chunk in c.chunks for t in chunk]  # noqa: E731
+    assert flat(a) == flat(b) and a.ended and b.ended
+    assert len(b.chunks) < len(a.chunks)  # several tokens per chunk: drafts were accepted
+
+
+def test_prompt_longer_than_sliding_window():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, use_sliding_window=True, sliding_window=6)
+    ids = torch.randint(0, VOCAB - 2, (1, 40), generator=torch.Generator().manual_seed(3))
+    _assert_same(target, drafter, ids, max_new_tokens=30)
+
+
+def test_attention_mask_from_caller(accepting):
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[2]])
+    _assert_same(target, drafter, ids, attention_mask=torch.ones_like(ids), max_new_tokens=20)
+
+
+def test_no_memory_growth_over_100_calls(accepting):
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[0]])
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+
+    for _ in range(3):
+        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    before = live_tensors()
+    for _ in range(100):
+        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    assert live_tensors() <= before + 5
+
+
+def test_incompatible_targets_are_refused():
+    target = tiny_target("llama")
+    ids = torch.tensor([[1, 2, 3]])
+    for bad, what in [
+        (tiny_drafter(tiny_target("llama", vocab=VOCAB + 4)), "vocab"),
+        (tiny_drafter(tiny_target("llama", hidden=96)), "hidden size"),
+        (tiny_drafter(tiny_target("llama", layers=9)), "layers"),
+    ]:
+        with pytest.raises(ValueError, match=what) as info:
+            target.generate(ids, assistant_model=bad, max_new_tokens=5)
+        assert "this drafter expects" in str(info.value)
+
+
+def test_device_and_dtype_mismatch_is_refused():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_beams=2), "beam search"),
+        (dict(num_beams=2, do_sample=True), "beam sampling"),
+        (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
+        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+    ],
+)
+def test_unsupported_modes_are_refused(kwargs, message):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match=message):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=5, **kwargs)
+
+
+def test_batch_larger_than_one_is_refused():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="batch size"):
+        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), assistant_model=drafter, max_new_tokens=5)
+
+
+def test_builtin_dflash_path_still_works(accepting):
+    """transformers' own DFlash path (argmax drafting, no selector) runs our drafter losslessly."""
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[0]])
+    ref = target.generate(ids, do_sample=False, max_new_tokens=30)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=30, speculation_type="dflash")
+    assert torch.equal(ref, out)
+
+
+def test_version_guard(monkeypatch, gen_module):
+    monkeypatch.setattr(gen_module.transformers, "__version__", "5.99.0")
+    with pytest.raises(RuntimeError, match="tested with transformers"):
+        gen_module.check_transformers_version()
+
+
+def test_stats_object(accepting, gen_module):
+    target, drafter, prompts = accepting
+    out, stats = gen_module.dflash2_generate(target, drafter, torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=30)
+    d = stats.as_dict()
+    assert d["new_tokens"] == out.shape[1] - len(prompts[0])
+    assert sum(stats.accept_lengths) + 1 >= d["new_tokens"]  # +1: the prefill's token
+    assert d["accepted"] == sum(a - 1 for a in stats.accept_lengths)
+    rates = stats.per_position_acceptance
+    assert len(rates) == drafter.config.block_size - 1 and all(0 <= r <= 1 for r in rates)
+    assert sum(stats.histogram().values()) == len(stats.accept_lengths)
