@@ -120,6 +120,33 @@ def target_features(target, tokens, lengths, layer_ids, reduction=None):
     return gen.context_features(out.hidden_states, layer_ids, tokens.shape[1], reduction)
 
 
+@torch.no_grad()
+def cache_features(target, sequences, layer_ids, reduction, batch_size, device, autocast, pad_id, desc="caching target features"):
+    """One target pass over the whole training set; features kept in RAM as bf16 ``[T_i, n*H]`` per sequence.
+
+    Worth it when the data is seen for more than one epoch: each later epoch then costs the
+    drafter alone (the target forward is ~2/3 of an online step on a 2-core CPU).
+    """
+    out = [None] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))  # similar lengths per batch
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
+        idx = order[start : start + batch_size]
+        tokens, lengths, _ = collate([sequences[i] for i in idx], pad_id)
+        with autocast():
+            feats = target_features(target, tokens.to(device), lengths.to(device), layer_ids, reduction)
+        for row, i in enumerate(idx):
+            out[i] = feats[row, : int(lengths[row])].to(torch.bfloat16).cpu()
+    return out
+
+
+def stack_features(cached, idx, width):
+    feats = [cached[i] for i in idx]
+    out = torch.zeros(len(feats), width, feats[0].shape[-1], dtype=feats[0].dtype)
+    for row, f in enumerate(feats):
+        out[row, : f.shape[0]] = f
+    return out
+
+
 def drafter_forward(drafter, target, tokens, lengths, prompt_lengths, features, generator, n_blocks):
     """One multi-block drafter forward. Returns (hidden [b,n,B-1,H], logits [b,n,B-1,V], labels, anchor ids)."""
     M = root.modeling()
@@ -136,7 +163,7 @@ def drafter_forward(drafter, target, tokens, lengths, prompt_lengths, features, 
         [torch.arange(T, device=dev)[None].expand(b, -1), (anchors[:, :, None] + torch.arange(B, device=dev)).view(b, -1)], dim=1
     )  # [b, T + n*B]
     mask = M.multi_block_training_mask(anchors, B, T, cfg.sliding_window)  # [b, 1, n*B, T + n*B]
-    out = drafter(noise_embeds=noise.to(features.dtype), context_hidden_states=features, position_ids=positions, attention_mask=mask)
+    out = drafter(noise_embeds=noise, context_hidden_states=features.to(noise.dtype), position_ids=positions, attention_mask=mask)
     hidden = out.last_hidden_state.view(b, n_blocks, B, -1)[:, :, 1:]  # [b, n, B-1, H]
     logits = drafter.draft_logits(target.get_output_embeddings(), hidden)  # [b, n, B-1, V]
     anchor_ids = ids.view(b, n_blocks, B)[:, :, 0]  # [b, n]
@@ -252,6 +279,14 @@ def parse_args(argv=None):
         help="random-anchor blocks per sequence per step; the target forward is paid once per sequence, "
         "so more blocks amortise it (the LM-head cross-entropy then dominates)",
     )
+    ap.add_argument(
+        "--feature-cache",
+        choices=["auto", "memory", "online"],
+        default="auto",
+        help="memory: one target pass up front, features kept in RAM (cheaper from the 2nd epoch on); "
+        "online: a target forward every step (no memory cost); auto: memory when it fits in --cache-gb",
+    )
+    ap.add_argument("--cache-gb", type=float, default=8.0)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--warmup", type=float, default=0.04)
@@ -323,6 +358,16 @@ def main(argv=None):
             f"resuming at step {step}" if step else "starting",
             flush=True,
         )
+    n_ctx = len(raw.config.target_layer_ids)
+    cache_bytes = sum(len(t) for t, _ in train) * n_ctx * raw.config.hidden_size * 2
+    use_cache = args.feature_cache == "memory" or (args.feature_cache == "auto" and cache_bytes < args.cache_gb * 2**30)
+    cached = None
+    if use_cache:
+        t0 = time.time()
+        cached = cache_features(target, train, raw.config.target_layer_ids, raw.config.target_hidden_reduction,
+                                args.batch_size * 2, device, autocast, args.pad_id)
+        if is_main:
+            print(f"cached features of {len(train)} sequences ({cache_bytes / 2**30:.2f} GiB) in {time.time() - t0:.0f} s", flush=True)
     stop = min(args.stop_after or args.max_steps, args.max_steps)
     bar = tqdm(total=stop, initial=step, desc="training", unit="step", disable=not is_main)
     t_last = time.time()
@@ -333,7 +378,10 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.max_steps, args.lr, args.warmup)
         with autocast():
-            feats = target_features(target, tokens.to(device), lengths.to(device), raw.config.target_layer_ids, raw.config.target_hidden_reduction)
+            if cached is not None:
+                feats = stack_features(cached, idx, tokens.shape[1]).to(device)
+            else:
+                feats = target_features(target, tokens.to(device), lengths.to(device), raw.config.target_layer_ids, raw.config.target_hidden_reduction)
             loss, metrics = compute_loss(drafter, target, (tokens.to(device), lengths, prompt_lengths), feats, generator, args)
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), args.clip)
