@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -63,8 +64,8 @@ def load_chunks(folder: str | Path) -> list[tuple[np.ndarray, int]]:
 def generate_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, sampling: dict) -> list[list[int]]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [b, width], left padded
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # [b, width], left padded
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling
     )
@@ -110,8 +111,11 @@ def main(argv=None):
             raise SystemExit(f"{out} was generated with other settings:\n{old}\nnow:\n{meta}\nUse another --out folder.")
     meta_path.write_text(json.dumps(meta, indent=1))
 
+    # under `accelerate launch` / torchrun every process takes every WORLD_SIZE-th chunk
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    model, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     records = sharegpt_prompts("train")
     random.Random(args.seed).shuffle(records)
     if args.limit:
@@ -123,7 +127,7 @@ def main(argv=None):
     for c in range(n_chunks):
         path = out / f"chunk_{c:05d}.npz"
         chunk = records[c * CHUNK : (c + 1) * CHUNK]
-        if path.name in done:
+        if path.name in done or c % world != rank:
             bar.update(len(chunk))
             continue
         encoded = [encode_prompt(tokenizer, r["messages"]) for r in chunk]

@@ -1,0 +1,71 @@
+"""The main job: stream speculative generation with the embedded target and the shipped drafter.
+
+    python -m dflash2_tools.demo "Explain speculative decoding in two sentences."
+
+The text is streamed through the plain transformers call
+``target.generate(**inputs, assistant_model=drafter, streamer=...)``; then the target alone
+generates the same prompt, and the run ends with tokens/s of both, the speedup and the mean
+acceptance length, all measured in this process (after a warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from . import drafter as root
+from .target import EMBEDDED_TARGET, load_target
+
+DEFAULT_PROMPT = "Write a short Python function that checks whether a string is a palindrome, and explain it."
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    ap.add_argument("--target", default=EMBEDDED_TARGET)
+    ap.add_argument("--drafter", default=str(root.REPO_ROOT), help="drafter folder or Hub id (default: the shipped one)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+
+    from transformers import TextStreamer
+
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_target(args.target, dtype=dtype)
+    if not (root.Path(args.drafter) / "model.safetensors").is_file() and root.Path(args.drafter).exists():
+        raise SystemExit(f"no drafter weights in {args.drafter}: train one (python -m dflash2_tools.train) and export it")
+    drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
+    gen = root.generation()
+
+    messages = [{"role": "user", "content": args.prompt}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    kw = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
+    target.generate(**inputs, do_sample=False, max_new_tokens=8)  # warm-up
+    target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=8)
+
+    print(f"\n>>> {args.prompt}\n")
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with gen.collect_stats() as runs:
+        t0 = time.perf_counter()
+        spec = target.generate(**inputs, assistant_model=drafter, streamer=streamer, **kw)
+        t_spec = time.perf_counter() - t0
+    stats = runs[-1]
+    t0 = time.perf_counter()
+    plain = target.generate(**inputs, **kw)
+    t_plain = time.perf_counter() - t0
+
+    n_spec = spec.shape[1] - inputs["input_ids"].shape[1]
+    n_plain = plain.shape[1] - inputs["input_ids"].shape[1]
+    same = torch.equal(spec, plain)
+    print("\n" + "-" * 60)
+    print(f"target alone : {n_plain / t_plain:6.1f} tok/s ({n_plain} tokens, {t_plain:.2f} s)")
+    print(f"DFlash 2     : {n_spec / t_spec:6.1f} tok/s ({n_spec} tokens, {t_spec:.2f} s)")
+    print(f"speedup      : {(n_spec / t_spec) / (n_plain / t_plain):.2f}x   mean acceptance length: {stats.mean_acceptance_length:.2f} tokens/target forward")
+    note = "" if args.dtype == "float32" else " (bf16 multi-token forwards are not bit-exact; --dtype float32 checks exactness)"
+    print(f"same output as the target alone: {'yes' if same else 'no'}{note}")
+
+
+if __name__ == "__main__":
+    main()
