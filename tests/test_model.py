@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import HIDDEN, VOCAB, root, tiny_drafter, tiny_drafter_config
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference"
+# Config and tensor schema of a public DFlash 2 checkpoint (copied from the project's shared reference).
+SHARED = Path(__file__).resolve().parent / "fixtures"
 
 
 def _inputs(b=2, blocks=1, block=5, ctx=9, n_ctx_layers=3, seed=0):
@@ -107,31 +108,31 @@ def test_conv_matches_equation(modeling_module):
             torch.testing.assert_close(out[:, t, c], ref, rtol=1e-5, atol=1e-5)
 
 
+def _two_block_forward(d, noise, feats):
+    """Blocks anchored at positions 3 and 6 of a 9-token context, in one multi-block forward."""
+    anchors = torch.tensor([[3, 6]])
+    mask = root.modeling().multi_block_training_mask(anchors, 5, 9)
+    pos = torch.cat([torch.arange(9)[None], (anchors[:, :, None] + torch.arange(5)).view(1, -1)], 1)
+    return d(noise_embeds=noise, context_hidden_states=feats, position_ids=pos, attention_mask=mask).last_hidden_state
+
+
 def test_block_reset_in_full_model():
     """In a multi-block forward, changing block 0 never changes block 1 (mask + conv reset)."""
-    M = root.modeling()
     d = tiny_drafter()
     noise, feats = _inputs(b=1, blocks=2)
-    anchors = torch.tensor([[3, 6]])
-    mask = M.multi_block_training_mask(anchors, 5, 9)
-    pos = torch.cat([torch.arange(9)[None], (anchors[:, :, None] + torch.arange(5)).view(1, -1)], 1)
-    a = d(noise_embeds=noise, context_hidden_states=feats, position_ids=pos, attention_mask=mask).last_hidden_state
+    a = _two_block_forward(d, noise, feats)
     noise2 = noise.clone()
     noise2[:, :5] += 1.0
-    b = d(noise_embeds=noise2, context_hidden_states=feats, position_ids=pos, attention_mask=mask).last_hidden_state
+    b = _two_block_forward(d, noise2, feats)
     torch.testing.assert_close(a[:, 5:], b[:, 5:])
     assert not torch.allclose(a[:, :5], b[:, :5])
 
 
 def test_multi_block_equals_single_block_inference():
     """A block trained inside a multi-block forward gets exactly the hidden it gets alone at inference."""
-    M = root.modeling()
     d = tiny_drafter()
     noise, feats = _inputs(b=1, blocks=2)
-    anchors = torch.tensor([[3, 6]])
-    mask = M.multi_block_training_mask(anchors, 5, 9)
-    pos = torch.cat([torch.arange(9)[None], (anchors[:, :, None] + torch.arange(5)).view(1, -1)], 1)
-    multi = d(noise_embeds=noise, context_hidden_states=feats, position_ids=pos, attention_mask=mask).last_hidden_state
+    multi = _two_block_forward(d, noise, feats)
     single = d(noise_embeds=noise[:, 5:], context_hidden_states=feats[:, :6], position_ids=torch.arange(6 + 5)[None]).last_hidden_state
     torch.testing.assert_close(multi[:, 5:], single, rtol=1e-5, atol=1e-5)
 
@@ -271,8 +272,8 @@ def test_official_schema_loads_without_missing_or_unexpected_keys(tmp_path):
     ours = {k: list(v.shape) for k, v in model.state_dict().items()}
     theirs = {k: list(v.shape) for k, v in state.items()}
     assert ours == theirs
-    missing, unexpected = model.load_state_dict(state, strict=True), None
-    assert not missing.missing_keys and not missing.unexpected_keys
+    result = model.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
 
 
 def test_our_checkpoint_uses_official_names(tmp_path):

@@ -1,0 +1,72 @@
+"""Measure a drafter's acceptance length on held-out prompts through the plain transformers call.
+
+    python -m dflash2_tools.acceptance --prompt-set sharegpt-dev --limit 20
+
+For every prompt: ``target.generate(**chat, assistant_model=drafter, do_sample=False,
+max_new_tokens=N)``; the mean acceptance length is tokens committed per draft-verify target
+forward, pooled over all steps of all prompts (and the per-prompt median). Greedy outputs are
+checked against the target alone when ``--check`` is given (use fp32 for an exact check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from tqdm import tqdm
+
+from . import drafter as root
+from .prompts import load_prompt_set
+from .target import EMBEDDED_TARGET, load_target
+
+
+def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False):
+    gen = root.generation()
+    per_prompt, steps, tokens, mismatches = [], 0, 0, 0
+    per_position_acc = None
+    for rec in tqdm(records, desc="acceptance", unit="prompt"):
+        inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out, stats = gen.dflash2_generate(target, drafter, **inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        if check and not torch.equal(out, target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)):
+            mismatches += 1
+        if stats.accept_lengths:
+            per_prompt.append(stats.mean_acceptance_length)
+            steps += len(stats.accept_lengths)
+            tokens += sum(stats.accept_lengths)
+            if per_position_acc is None:
+                per_position_acc = [[0, 0] for _ in stats.drafted_per_position]
+            for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):
+                per_position_acc[i][0] += a
+                per_position_acc[i][1] += d
+    return {
+        "prompts": len(records),
+        "mean_acceptance_length": tokens / max(steps, 1),
+        "median_prompt_acceptance_length": statistics.median(per_prompt) if per_prompt else float("nan"),
+        "per_position_acceptance": [a / d if d else 0.0 for a, d in (per_position_acc or [])],
+        "greedy_mismatches": mismatches if check else None,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=EMBEDDED_TARGET)
+    ap.add_argument("--drafter", default=str(root.REPO_ROOT))
+    ap.add_argument("--prompt-set", default="sharegpt-dev", help="sharegpt-dev, humaneval, champ or a JSONL file")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--check", action="store_true", help="also compare with target-only greedy output")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_target(args.target, dtype=dtype)
+    drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
+    records = load_prompt_set(args.prompt_set)[: args.limit]
+    result = {"prompt_set": args.prompt_set, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "drafter": args.drafter}
+    result.update(measure(target, tokenizer, drafter, records, args.max_new_tokens, args.check))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
