@@ -358,8 +358,8 @@ class DFlash2CandidateSelector(nn.Module):
 
     def scores(self, gated: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor, predecessors: torch.Tensor):
         """gated = hidden_projection(h): [..., R]; top_values/top_ids: [..., K]; predecessors: [...] -> S: [..., K]."""
-        pred = self.predecessor_codebook[predecessors] * gated  # [..., R]
-        succ = self.successor_codebook[top_ids]  # [..., K, R]
+        pred = self.predecessor_codebook[predecessors].to(gated.dtype) * gated  # [..., R]
+        succ = self.successor_codebook[top_ids].to(gated.dtype)  # [..., K, R]
         return top_values + torch.einsum("...r,...kr->...k", pred, succ)
 
     def walk(

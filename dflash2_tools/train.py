@@ -355,7 +355,7 @@ def main(argv=None):
         print(
             f"drafter: {n_params / 1e6:.2f}M params, {raw.config.num_hidden_layers} layers, block {raw.config.block_size}, "
             f"target layers {raw.config.target_layer_ids}; data: {len(train)} train / {len(dev)} dev sequences; "
-            f"resuming at step {step}" if step else "starting",
+            + (f"resuming at step {step}" if step else "starting"),
             flush=True,
         )
     n_ctx = len(raw.config.target_layer_ids)

@@ -139,6 +139,16 @@ def test_incompatible_targets_are_refused():
         assert "this drafter expects" in str(info.value)
 
 
+def test_bf16_greedy_and_sampling_run():
+    """bf16 target and drafter (the fast CPU setting): both modes run and produce the requested length."""
+    target = tiny_target("llama").to(torch.bfloat16)
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for kw in (dict(do_sample=False), dict(do_sample=True, temperature=0.8)):
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, eos_token_id=None, pad_token_id=0, **kw)
+        assert out.shape == (1, 24)
+
+
 def test_device_and_dtype_mismatch_is_refused():
     target = tiny_target("llama")
     drafter = tiny_drafter(target).to(torch.bfloat16)

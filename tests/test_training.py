@@ -152,7 +152,8 @@ def test_export_and_reload(tmp_path):
     from dflash2_tools.export import export
 
     folder, data = _tiny_target_folder(tmp_path)
-    drafter = tiny_drafter(tiny_target("llama"))
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
     drafter.save_pretrained(tmp_path / "ckpt")
     out = export(tmp_path / "ckpt", tmp_path / "hub", target=str(folder))
     from safetensors import safe_open
@@ -177,3 +178,8 @@ def test_export_and_reload(tmp_path):
         rtol=0.05,
         atol=0.05,
     )
+    # the exported folder is a complete Hub-style repo: its custom_generate recipe runs DFlash 2
+    ids = torch.tensor([[3, 4, 5, 6]])
+    ref = target.generate(ids, do_sample=False, max_new_tokens=12)
+    out_ids = target.generate(ids, custom_generate=str(out), trust_remote_code=True, assistant_model=reloaded, do_sample=False, max_new_tokens=12)
+    assert torch.equal(ref, out_ids)

@@ -1,0 +1,206 @@
+"""Side-by-side benchmark: target alone, prompt lookup, DFlash-1-style drafting, DFlash 2.
+
+    python -m dflash2_tools.benchmark --prompt-sets humaneval champ sharegpt-dev --limit 10 --out docs/bench
+
+All methods run in ONE process on the same prompts, after a warm-up, through transformers'
+own ``generate``:
+
+* ``target``: ``target.generate(...)``
+* ``pld``: prompt lookup decoding (``prompt_lookup_num_tokens=10``)
+* ``dflash1``: the same drafter through transformers' built-in ``speculation_type="dflash"``
+  (argmax drafting, no selector: the DFlash-1 way)
+* ``dflash2``: ``target.generate(..., assistant_model=drafter)`` (block draft, top-K, selector walk)
+
+Acceptance length for every method = new tokens / target forwards after the prefill (a counter
+on the target's forward), so the numbers are comparable. Every greedy output is checked against
+the target's own greedy output. Results: ``results.json``, ``results.md`` (the table) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import drafter as root
+from .prompts import load_prompt_set
+from .target import EMBEDDED_TARGET, load_target
+
+METHODS = ("target", "pld", "dflash1", "dflash2")
+
+
+class ForwardCounter:
+    """Counts the target's forward calls (one per prefill / decode / verification step)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+
+def run_method(method, target, drafter, inputs, gen_kw, counter):
+    gen = root.generation()
+    kw = dict(gen_kw)
+    stats = None
+    counter.calls = 0
+    t0 = time.perf_counter()
+    if method == "target":
+        out = target.generate(**inputs, **kw)
+    elif method == "pld":
+        out = target.generate(**inputs, prompt_lookup_num_tokens=10, **kw)
+    elif method == "dflash1":
+        out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash", **kw)
+    elif method == "dflash2":
+        with gen.collect_stats() as runs:
+            out = target.generate(**inputs, assistant_model=drafter, **kw)
+        stats = runs[-1] if runs else None
+    else:
+        raise ValueError(method)
+    seconds = time.perf_counter() - t0
+    new = out.shape[1] - inputs["input_ids"].shape[1]
+    forwards = max(counter.calls - 1, 1)  # after the prefill
+    return out, {
+        "seconds": seconds,
+        "new_tokens": new,
+        "tok_per_s": new / seconds,
+        "acceptance_length": (new - 1) / forwards if new > 1 else 1.0,
+        "per_position_acceptance": stats.per_position_acceptance if stats else None,
+        "accept_lengths": stats.accept_lengths if stats else None,
+    }
+
+
+def benchmark(args):
+    results = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        target, tokenizer = load_target(args.target, dtype=dtype)
+        drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
+        counter = ForwardCounter(target)
+        sets = {name: load_prompt_set(name)[: args.limit] for name in args.prompt_sets}
+        warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        for method in args.methods:  # warm-up every path once
+            run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter)
+        total = sum(len(v) for v in sets.values()) * len(args.temperatures)
+        bar = tqdm(total=total, desc=f"benchmark {dtype_name}", unit="prompt")
+        for set_name, records in sets.items():
+            for rec in records:
+                inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+                for temperature in args.temperatures:
+                    gen_kw = dict(max_new_tokens=args.max_new_tokens)
+                    gen_kw.update(do_sample=False) if temperature == 0 else gen_kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                    reference = None
+                    for method in args.methods:
+                        torch.manual_seed(0)
+                        out, row = run_method(method, target, drafter, inputs, gen_kw, counter)
+                        if method == "target":
+                            reference = out
+                        row.update(dtype=dtype_name, prompt_set=set_name, prompt_id=rec["id"], method=method, temperature=temperature,
+                                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                        if temperature == 0 and reference is not None:
+                            row["same_as_target"] = bool(torch.equal(out, reference))
+                        results.append(row)
+                    bar.update(1)
+        bar.close()
+        counter.handle.remove()
+    return results
+
+
+def summarize(results):
+    """Median tok/s, speedup (median of per-prompt ratios to the target alone) and acceptance per group."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["dtype"], r["temperature"], r["prompt_set"], r["method"]), []).append(r)
+    base = {(r["dtype"], r["temperature"], r["prompt_set"], r["prompt_id"]): r["tok_per_s"] for r in results if r["method"] == "target"}
+    rows = []
+    for (dtype, temp, pset, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], METHODS.index(kv[0][3]))):
+        ratios = [r["tok_per_s"] / base[(dtype, temp, pset, r["prompt_id"])] for r in rs]
+        checked = [r["same_as_target"] for r in rs if "same_as_target" in r]
+        rows.append({
+            "dtype": dtype, "temperature": temp, "prompt_set": pset, "method": method, "prompts": len(rs),
+            "median_tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
+            "median_speedup": statistics.median(ratios),
+            "mean_acceptance_length": statistics.mean(r["acceptance_length"] for r in rs),
+            "lossless": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampling)",
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+        })
+    return rows
+
+
+def markdown_table(rows) -> str:
+    head = "| dtype | T | prompt set | method | prompts | median tok/s | median speedup | acceptance length | greedy == target | peak RSS MB |\n"
+    head += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    return head + "".join(
+        f"| {r['dtype']} | {r['temperature']:g} | {r['prompt_set']} | {r['method']} | {r['prompts']} | {r['median_tok_per_s']:.1f} | "
+        f"{r['median_speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | {r['lossless']} | {r['peak_rss_mb']:.0f} |\n"
+        for r in rows
+    )
+
+
+def plot(results, rows, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = [r for r in results if r["method"] == "dflash2" and r["per_position_acceptance"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if spec:
+        n = len(spec[0]["per_position_acceptance"])
+        for pset in sorted({r["prompt_set"] for r in spec}):
+            rs = [r for r in spec if r["prompt_set"] == pset and r["temperature"] == 0]
+            if rs:
+                curve = [statistics.mean(r["per_position_acceptance"][i] for r in rs) for i in range(n)]
+                axes[0].plot(range(1, n + 1), curve, "o-", label=pset)
+        axes[0].set(title="DFlash 2 per-position acceptance (T=0)", xlabel="block position", ylabel="P(accepted | drafted)", ylim=(0, 1))
+        axes[0].legend()
+        lengths = [a for r in spec for a in r["accept_lengths"]]
+        axes[1].hist(lengths, bins=range(1, max(lengths) + 2), align="left", rwidth=0.8)
+        axes[1].set(title="DFlash 2 acceptance length per step", xlabel="tokens per target forward", ylabel="steps")
+    labels, values = [], []
+    for r in rows:
+        if r["temperature"] == 0:
+            labels.append(f"{r['prompt_set']}\n{r['method']}\n{r['dtype'][:4]}")
+            values.append(r["median_speedup"])
+    axes[2].bar(range(len(values)), values)
+    axes[2].set_xticks(range(len(values)), labels, fontsize=6)
+    axes[2].axhline(1.0, color="k", lw=0.5)
+    axes[2].set(title="median speedup vs target alone (T=0)", ylabel="x")
+    fig.tight_layout()
+    fig.savefig(out / "benchmark.png", dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=EMBEDDED_TARGET)
+    ap.add_argument("--drafter", default=str(root.REPO_ROOT))
+    ap.add_argument("--prompt-sets", nargs="+", default=["humaneval", "champ", "sharegpt-dev"])
+    ap.add_argument("--limit", type=int, default=10, help="prompts per set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--out", default="docs/bench")
+    args = ap.parse_args(argv)
+    if "target" not in args.methods:
+        args.methods = ["target", *args.methods]  # speedups and lossless checks need it
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = benchmark(args)
+    rows = summarize(results)
+    table = markdown_table(rows)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": rows, "runs": results}, indent=1))
+    (out / "results.md").write_text(table)
+    plot(results, rows, out)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
