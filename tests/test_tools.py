@@ -1,0 +1,49 @@
+"""Data and reporting helpers: truncated JSON recovery, deterministic split, chunk storage, benchmark summary."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash2_tools import benchmark, prompts
+from dflash2_tools.regenerate import load_chunks, save_chunk
+
+
+def test_truncated_json_list_recovers_complete_items():
+    text = '[{"id": "a", "x": [1, 2]}, {"id": "b"},\n {"id": "c", "x": "cut he'
+    assert [r["id"] for r in prompts.iter_truncated_json_list(text)] == ["a", "b"]
+    assert [r["id"] for r in prompts.iter_truncated_json_list('[{"id": "a"}]')] == ["a"]
+
+
+def test_dev_split_is_deterministic_and_small():
+    ids = [f"conv-{i}" for i in range(5000)]
+    dev = [i for i in ids if prompts.is_dev(i)]
+    assert dev == [i for i in ids if prompts.is_dev(i)]
+    assert 0.01 < len(dev) / len(ids) < 0.03
+
+
+def test_jsonl_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"id": "x", "messages": [{"role": "user", "content": "yo"}]}\n')
+    recs = prompts.load_prompt_set(str(path))
+    assert recs[0]["messages"] == [{"role": "user", "content": "hi"}] and recs[1]["id"] == "x"
+
+
+def test_chunks_roundtrip(tmp_path):
+    save_chunk(tmp_path / "chunk_00000.npz", [[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
+    save_chunk(tmp_path / "chunk_00001.npz", [[70000]], [[1]])  # ids past uint16 switch to int32
+    seqs = load_chunks(tmp_path)
+    assert [(t.tolist(), p) for t, p in seqs] == [([1, 2, 3, 5, 6], 3), ([4, 7, 8, 9], 1), ([70000, 1], 1)]
+    assert np.load(tmp_path / "chunk_00000.npz")["tokens"].dtype == np.uint16
+
+
+def test_benchmark_summary_and_table():
+    runs = []
+    for pid, (t_base, t_spec) in enumerate([(10.0, 20.0), (10.0, 30.0), (20.0, 20.0)]):
+        common = dict(dtype="bfloat16", temperature=0.0, prompt_set="s", prompt_id=str(pid), peak_rss_mb=100.0)
+        runs.append(dict(common, method="target", tok_per_s=t_base, acceptance_length=1.0, same_as_target=True))
+        runs.append(dict(common, method="dflash2", tok_per_s=t_spec, acceptance_length=3.0, same_as_target=pid != 2))
+    rows = benchmark.summarize(runs)
+    spec = next(r for r in rows if r["method"] == "dflash2")
+    assert spec["median_speedup"] == 2.0 and spec["lossless"] == "2/3" and spec["median_tok_per_s"] == 20.0
+    table = benchmark.markdown_table(rows)
+    assert "| bfloat16 | 0 | s | dflash2 | 3 | 20.0 | 2.00x | 3.00 | 2/3 | 100 |" in table
