@@ -254,6 +254,7 @@ def parse_args(argv=None):
     ap.add_argument("--target-name", default=None, help="name recorded in the drafter config (default: --target)")
     ap.add_argument("--data", required=True, help="folder written by dflash2_tools.regenerate")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--init-from", default=None, help="start from this drafter's weights (architecture options are then ignored)")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--num-context-layers", type=int, default=4, help="target layers tapped (spread over the target)")
@@ -332,6 +333,9 @@ def main(argv=None):
         drafter = root.load_drafter(ckpt, dtype=torch.float32)
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         step, tokens_seen = state["step"], state["tokens_seen"]
+    elif args.init_from:  # warm start (e.g. from the shipped bf16 weights): same architecture, fresh optimizer
+        drafter = root.load_drafter(args.init_from, dtype=torch.float32)
+        state, step, tokens_seen = None, 0, 0
     else:
         drafter = root.model_class()._from_config(build_drafter_config(target, args), dtype=torch.float32)
         state, step, tokens_seen = None, 0, 0
