@@ -13,27 +13,25 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _module(name: str, repo: str | Path = REPO_ROOT):
+def modeling(repo: str | Path = REPO_ROOT):
+    """The root ``modeling_dflash2`` module, imported as remote code."""
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    anchor = {"configuration_dflash2": "DFlash2Config", "modeling_dflash2": "DFlash2DraftModel"}[name]
-    cls = get_class_from_dynamic_module(f"{name}.{anchor}", str(repo))
+    cls = get_class_from_dynamic_module("modeling_dflash2.DFlash2DraftModel", str(repo))
     return sys.modules[cls.__module__]
 
 
-def modeling(repo: str | Path = REPO_ROOT):
-    """The root ``modeling_dflash2`` module (and through it the generation module)."""
-    return _module("modeling_dflash2", repo)
+def _sibling(name: str, repo: str | Path = REPO_ROOT):
+    """A root module imported by ``modeling_dflash2`` (same dynamic package)."""
+    return sys.modules[modeling(repo).__name__.rsplit(".", 1)[0] + "." + name]
 
 
 def generation(repo: str | Path = REPO_ROOT):
-    mod = modeling(repo)
-    return sys.modules[mod.__name__.rsplit(".", 1)[0] + ".generation_dflash2"]
+    return _sibling("generation_dflash2", repo)
 
 
 def config_module(repo: str | Path = REPO_ROOT):
-    mod = modeling(repo)
-    return sys.modules[mod.__name__.rsplit(".", 1)[0] + ".configuration_dflash2"]
+    return _sibling("configuration_dflash2", repo)
 
 
 def config_class(repo: str | Path = REPO_ROOT):
