@@ -84,6 +84,18 @@ class DFlash2Stats:
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < accepted)
 
+    def merge(self, other: "DFlash2Stats") -> "DFlash2Stats":
+        """Pool another run's steps into this one (e.g. over a prompt set)."""
+        self.accept_lengths += other.accept_lengths
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)]
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+        self.draft_seconds += other.draft_seconds
+        return self
+
     @property
     def mean_acceptance_length(self) -> float:
         return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)

@@ -24,8 +24,8 @@ from .target import EMBEDDED_TARGET, load_target
 
 def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False):
     gen = root.generation()
-    per_prompt, steps, tokens, mismatches = [], 0, 0, 0
-    per_position_acc = None
+    pooled = gen.DFlash2Stats(block_size=drafter.config.block_size)
+    per_prompt, mismatches = [], 0
     for rec in tqdm(records, desc="acceptance", unit="prompt"):
         inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
         out, stats = gen.dflash2_generate(target, drafter, **inputs, do_sample=False, max_new_tokens=max_new_tokens)
@@ -33,18 +33,12 @@ def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False
             mismatches += 1
         if stats.accept_lengths:
             per_prompt.append(stats.mean_acceptance_length)
-            steps += len(stats.accept_lengths)
-            tokens += sum(stats.accept_lengths)
-            if per_position_acc is None:
-                per_position_acc = [[0, 0] for _ in stats.drafted_per_position]
-            for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):
-                per_position_acc[i][0] += a
-                per_position_acc[i][1] += d
+        pooled.merge(stats)
     return {
         "prompts": len(records),
-        "mean_acceptance_length": tokens / max(steps, 1),
+        "mean_acceptance_length": pooled.mean_acceptance_length,
         "median_prompt_acceptance_length": statistics.median(per_prompt) if per_prompt else float("nan"),
-        "per_position_acceptance": [a / d if d else 0.0 for a, d in (per_position_acc or [])],
+        "per_position_acceptance": pooled.per_position_acceptance,
         "greedy_mismatches": mismatches if check else None,
     }
 
