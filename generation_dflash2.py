@@ -35,6 +35,8 @@ from packaging import version
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .rollback_dflash2 import LinearStateRollback, check_rollback_supported
+
 TESTED_TRANSFORMERS = (version.parse("5.23.0"), version.parse("5.24.0"))  # [min, max)
 TESTED_RANGE_TEXT = "transformers>=5.23,<5.24"
 
@@ -70,6 +72,7 @@ class DFlash2Stats:
     new_tokens: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
+    rollback_seconds: float = 0.0  # stateful targets: snapshot + replay of linear-attention states
 
     def __post_init__(self):
         n = self.block_size - 1
@@ -94,6 +97,7 @@ class DFlash2Stats:
         self.new_tokens += other.new_tokens
         self.seconds += other.seconds
         self.draft_seconds += other.draft_seconds
+        self.rollback_seconds += other.rollback_seconds
         return self
 
     @property
@@ -124,6 +128,7 @@ class DFlash2Stats:
             "new_tokens": self.new_tokens,
             "seconds": self.seconds,
             "draft_seconds": self.draft_seconds,
+            "rollback_seconds": self.rollback_seconds,
             "seconds_per_token": self.seconds_per_token,
             "per_position_acceptance": self.per_position_acceptance,
             "acceptance_length_histogram": self.histogram(),
@@ -254,6 +259,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.stats = DFlash2Stats(block_size=self.config.block_size)
         self._start = time.perf_counter()
         self._prompt_length = None
+        # Stateful targets (linear attention): the recurrent state must be rolled back by replay.
+        self.rollback = None
+        if getattr(target, "_is_stateful", False):
+            check_rollback_supported(target)
+            self.rollback = LinearStateRollback(target, owner=self)
         sink = _STATS_SINK.get()
         if sink is not None:
             sink.append(self.stats)
@@ -294,11 +304,16 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         draft = propose(self.drafter, self.lm_head, out.last_hidden_state[:, 1 : 1 + n_draft], anchor, self.temperature)
         self.last_drafted = n_draft
         self.stats.draft_seconds += time.perf_counter() - t0
+        if self.rollback is not None:
+            self.rollback.begin_step(model_kwargs.get("past_key_values") if model_kwargs else model_outputs.past_key_values)
         return torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=1), draft.proposal_logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.last_drafted:
             self.stats.record_step(self.last_drafted, int(num_matches))
+        if self.rollback is not None:  # transformers already cropped K/V, indexer keys and conv states
+            self.rollback.finish_step(accepted=int(num_matches) + 1, fed=self.last_drafted + 1)
+            self.stats.rollback_seconds = self.rollback.seconds
         self.stats.new_tokens = input_ids.shape[1] - self._prompt_length
         self.stats.seconds = time.perf_counter() - self._start
 
@@ -357,6 +372,15 @@ def install_assisted_generation_hook() -> None:
                 )
             if generation_config.speculation_type != "dflash":
                 check_compatible(self, drafter)  # before transformers' own vocab check, whose advice would not apply
+                if self._is_stateful:
+                    # transformers refuses stateful targets because a recurrent state cannot be cropped;
+                    # LinearStateRollback replays it exactly, so skip that one check (for this call only).
+                    check_rollback_supported(self)
+                    self._is_stateful = False  # instance attribute shadows the class flag
+                    try:
+                        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+                    finally:
+                        del self._is_stateful
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     _get_candidate_generator._dflash2_hook = True

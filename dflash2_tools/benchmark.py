@@ -36,21 +36,36 @@ METHODS = ("target", "pld", "dflash1", "dflash2")
 
 
 class ForwardCounter:
-    """Counts the target's forward calls (one per prefill / decode / verification step)."""
+    """Counts and times the target's forward calls (one per prefill / decode / verification step)."""
 
     def __init__(self, model):
-        self.calls = 0
-        self.handle = model.register_forward_pre_hook(self._hook)
+        self.reset()
+        self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._stop)]
 
-    def _hook(self, module, args):
+    def reset(self):
+        self.calls, self.seconds, self.first_seconds, self._t0 = 0, 0.0, 0.0, None
+
+    def _start(self, module, args):
         self.calls += 1
+        self._t0 = time.perf_counter()
+
+    def _stop(self, module, args, output):
+        dt = time.perf_counter() - self._t0
+        if self.calls == 1:
+            self.first_seconds = dt  # the prefill
+        else:
+            self.seconds += dt
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
 
 
 def run_method(method, target, drafter, inputs, gen_kw, counter):
     gen = root.generation()
     kw = dict(gen_kw)
     stats = None
-    counter.calls = 0
+    counter.reset()
     t0 = time.perf_counter()
     if method == "target":
         out = target.generate(**inputs, **kw)
@@ -67,7 +82,13 @@ def run_method(method, target, drafter, inputs, gen_kw, counter):
     seconds = time.perf_counter() - t0
     new = out.shape[1] - inputs["input_ids"].shape[1]
     forwards = max(counter.calls - 1, 1)  # after the prefill
+    draft = stats.draft_seconds if stats else 0.0
     return out, {
+        # one decoding step = one target forward after the prefill; where its time goes:
+        "step_ms": 1e3 * (seconds - counter.first_seconds) / forwards,
+        "step_target_forward_ms": 1e3 * counter.seconds / forwards,
+        "step_draft_ms": 1e3 * draft / forwards,
+        "step_overhead_ms": 1e3 * (seconds - counter.first_seconds - counter.seconds - draft) / forwards,
         "seconds": seconds,
         "new_tokens": new,
         "tok_per_s": new / seconds,
@@ -109,7 +130,7 @@ def benchmark(args):
                         results.append(row)
                     bar.update(1)
         bar.close()
-        counter.handle.remove()
+        counter.remove()
     return results
 
 
@@ -130,6 +151,7 @@ def summarize(results):
             "mean_acceptance_length": statistics.mean(r["acceptance_length"] for r in rs),
             "lossless": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampling)",
             "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+            **{k: statistics.median(r[k] for r in rs) for k in ("step_ms", "step_target_forward_ms", "step_draft_ms", "step_overhead_ms")},
         })
     return rows
 
@@ -140,6 +162,16 @@ def markdown_table(rows) -> str:
     return head + "".join(
         f"| {r['dtype']} | {r['temperature']:g} | {r['prompt_set']} | {r['method']} | {r['prompts']} | {r['median_tok_per_s']:.1f} | "
         f"{r['median_speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | {r['lossless']} | {r['peak_rss_mb']:.0f} |\n"
+        for r in rows
+    )
+
+
+def profile_table(rows) -> str:
+    """Where one decoding step's time goes (medians over prompts): the target's forward, drafting, the rest."""
+    head = "| dtype | T | prompt set | method | step ms | target forward ms | draft ms | other ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    return head + "".join(
+        f"| {r['dtype']} | {r['temperature']:g} | {r['prompt_set']} | {r['method']} | {r['step_ms']:.1f} | "
+        f"{r['step_target_forward_ms']:.1f} | {r['step_draft_ms']:.1f} | {r['step_overhead_ms']:.1f} |\n"
         for r in rows
     )
 
@@ -197,9 +229,12 @@ def main(argv=None):
     rows = summarize(results)
     table = markdown_table(rows)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": rows, "runs": results}, indent=1))
-    (out / "results.md").write_text(table)
+    profile = profile_table(rows)
+    (out / "results.md").write_text(table + "\nPer decoding step (one target forward after the prefill):\n\n" + profile)
     plot(results, rows, out)
     print(table)
+    print("Per decoding step (one target forward after the prefill):\n")
+    print(profile)
 
 
 if __name__ == "__main__":

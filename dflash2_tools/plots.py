@@ -1,6 +1,8 @@
 """Plots people would rather see than read.
 
     python -m dflash2_tools.plots learning-curve runs/smollm2/log.jsonl --out docs/learning_curve.png
+    # a run continued with --init-from: give the logs in order, tokens and steps add up
+    python -m dflash2_tools.plots learning-curve docs/train_log_smollm2.jsonl runs/smollm2-v2/log.jsonl
 """
 
 from __future__ import annotations
@@ -10,16 +12,25 @@ import json
 from pathlib import Path
 
 
-def learning_curve(log_path: str | Path, out: str | Path) -> list[dict]:
-    """Dev acceptance length (argmax and selector drafts) vs training tokens; also writes the numbers as JSON."""
+def learning_curve(log_paths, out: str | Path) -> list[dict]:
+    """Dev acceptance length (argmax and selector drafts) vs training tokens; also writes the numbers as JSON.
+
+    Several logs are consecutive runs (each started ``--init-from`` the previous one's weights).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    rows, step0, tokens0 = [], 0, 0
+    for run, path in enumerate([log_paths] if isinstance(log_paths, (str, Path)) else log_paths):
+        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        rows += [{**r, "run": run, "step": r["step"] + step0, "tokens_seen": r["tokens_seen"] + tokens0} for r in records]
+        if records:
+            step0, tokens0 = rows[-1]["step"], rows[-1]["tokens_seen"]
     points = [
         {
+            "run": r["run"],
             "step": r["step"],
             "tokens_seen": r["tokens_seen"],
             "acceptance_argmax": r["dev"]["acceptance_length_argmax"],
@@ -51,7 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     lc = sub.add_parser("learning-curve")
-    lc.add_argument("log")
+    lc.add_argument("log", nargs="+", help="log.jsonl of a run; several: consecutive runs in order")
     lc.add_argument("--out", default="docs/learning_curve.png")
     args = ap.parse_args(argv)
     if args.cmd == "learning-curve":

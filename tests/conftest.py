@@ -53,7 +53,7 @@ def tiny_target(arch: str = "llama", vocab: int = VOCAB, hidden: int = HIDDEN, l
 
 def tiny_drafter_config(target=None, **overrides):
     C = root.config_class()
-    tcfg = target.config if target is not None else None
+    tcfg = target.config.get_text_config() if target is not None else None
     kw = dict(
         vocab_size=tcfg.vocab_size if tcfg else VOCAB,
         hidden_size=tcfg.hidden_size if tcfg else HIDDEN,
@@ -115,14 +115,14 @@ def overfit_drafter(target, steps=120, seed=0, **overrides):
     from dflash2_tools import train
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, target.config.vocab_size - 2, (n,), generator=g).tolist() for n in (3, 7, 12, 5)]
+    prompts = [torch.randint(0, target.config.get_text_config().vocab_size - 2, (n,), generator=g).tolist() for n in (3, 7, 12, 5)]
     seqs = greedy_sequences(target, prompts)
     drafter = tiny_drafter(target, randomize=False, **overrides).train()
     args = SimpleNamespace(blocks_per_seq=12, gamma=None, selector_weight=1.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     tokens, lengths, prompt_lengths = train.collate(seqs, pad_id=0)
     for step in range(steps):
-        feats = train.target_features(target, tokens, lengths, drafter.config.target_layer_ids)
+        feats = train.target_features(target, tokens, lengths, drafter.config.target_layer_ids, drafter.config.target_hidden_reduction)
         loss, _ = train.compute_loss(drafter, target, (tokens, lengths, prompt_lengths), feats, torch.Generator().manual_seed(step), args)
         loss.backward()
         opt.step()

@@ -39,7 +39,8 @@ def test_chunks_roundtrip(tmp_path):
 def test_benchmark_summary_and_table():
     runs = []
     for pid, (t_base, t_spec) in enumerate([(10.0, 20.0), (10.0, 30.0), (20.0, 20.0)]):
-        common = dict(dtype="bfloat16", temperature=0.0, prompt_set="s", prompt_id=str(pid), peak_rss_mb=100.0)
+        common = dict(dtype="bfloat16", temperature=0.0, prompt_set="s", prompt_id=str(pid), peak_rss_mb=100.0,
+                      step_ms=10.0 + pid, step_target_forward_ms=7.0, step_draft_ms=2.0, step_overhead_ms=1.0 + pid)
         runs.append(dict(common, method="target", tok_per_s=t_base, acceptance_length=1.0, same_as_target=True))
         runs.append(dict(common, method="dflash2", tok_per_s=t_spec, acceptance_length=3.0, same_as_target=pid != 2))
     rows = benchmark.summarize(runs)
@@ -47,3 +48,20 @@ def test_benchmark_summary_and_table():
     assert spec["median_speedup"] == 2.0 and spec["lossless"] == "2/3" and spec["median_tok_per_s"] == 20.0
     table = benchmark.markdown_table(rows)
     assert "| bfloat16 | 0 | s | dflash2 | 3 | 20.0 | 2.00x | 3.00 | 2/3 | 100 |" in table
+    assert "| bfloat16 | 0 | s | dflash2 | 11.0 | 7.0 | 2.0 | 2.0 |" in benchmark.profile_table(rows)
+
+
+def test_learning_curve_chains_consecutive_runs(tmp_path):
+    import json
+
+    from dflash2_tools import plots
+
+    def log(path, rows):
+        path.write_text("".join(json.dumps({"step": s, "tokens_seen": t, "loss": 1.0, "dev": {
+            "acceptance_length_argmax": a, "acceptance_length_selector": a + 0.1, "top1_per_position": [0.5]}}) + "\n" for s, t, a in rows))
+
+    log(tmp_path / "a.jsonl", [(100, 1000, 1.2), (200, 2000, 1.4)])
+    log(tmp_path / "b.jsonl", [(50, 700, 1.5)])
+    points = plots.learning_curve([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "lc.png")
+    assert [(p["step"], p["tokens_seen"], p["run"]) for p in points] == [(100, 1000, 0), (200, 2000, 0), (250, 2700, 1)]
+    assert (tmp_path / "lc.png").stat().st_size > 0 and json.loads((tmp_path / "lc.json").read_text()) == points
