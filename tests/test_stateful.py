@@ -44,7 +44,9 @@ def _state(cache, idx):
 
 @pytest.mark.parametrize("fed,accepted", [(5, 1), (5, 3), (4, 4), (6, 2)])
 def test_rollback_state_equals_a_target_that_saw_only_accepted_tokens(stateful, fed, accepted):
-    _, target, *_ = stateful
+    name, target, *_ = stateful
+    if name == "glm5_next":  # a sparse DSA indexer (2 pools of 4 + tail), so indexer caches matter
+        target = tiny_glm5_next(index_topk=8)
     rollback_mod = root._sibling("rollback_dflash2")
     from transformers import DynamicCache
 
@@ -171,3 +173,21 @@ def test_train_step_on_hyperconnection_target():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("index_topk,consistent", [(64, True), (8, False)])
+def test_dsa_target_multi_token_vs_incremental(index_topk, consistent):
+    """The README caveat, pinned: a sparse DSA indexer breaks exact pool ties (repeated tokens, NoPE keys)
+    differently in one multi-token forward than in one-token decoding; with every pool selected it cannot."""
+    from transformers import DynamicCache
+
+    target = tiny_glm5_next(index_topk=index_topk)
+    prompt = torch.randint(1, VOCAB, (1, 13), generator=torch.Generator().manual_seed(7))[:, 1:5]  # the prompt that repeats
+    seq = tiny_glm5_next().generate(prompt, max_new_tokens=40, do_sample=False)  # "... 35 79 35 79 ..."
+    with torch.no_grad():
+        full = target(seq).logits[0, 3:-1]
+        cache = DynamicCache(config=target.config)
+        steps = [target(seq[:, :4], past_key_values=cache, use_cache=True).logits[0, -1]]
+        steps += [target(seq[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, -1] for i in range(4, seq.shape[1] - 1)]
+    diff = (full - torch.stack(steps)).abs().max().item()
+    assert (diff < 1e-4) == consistent, diff
