@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import drafter as root
 from .prompts import load_prompt_set
+from .precision import resolve_dtype
 from .target import EMBEDDED_TARGET, load_target
 
 
@@ -50,10 +51,11 @@ def main(argv=None):
     ap.add_argument("--prompt-set", default="sharegpt-dev", help="sharegpt-dev, humaneval, champ or a JSONL file")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: see precision.py")
     ap.add_argument("--check", action="store_true", help="also compare with target-only greedy output")
     args = ap.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
+    args.dtype = str(dtype).removeprefix("torch.")
     target, tokenizer = load_target(args.target, dtype=dtype)
     drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
     records = load_prompt_set(args.prompt_set)[: args.limit]

@@ -16,6 +16,7 @@ import time
 import torch
 
 from . import drafter as root
+from .precision import resolve_dtype
 from .target import EMBEDDED_TARGET, load_target
 
 DEFAULT_PROMPT = "Write a short Python function that checks whether a string is a palindrome, and explain it."
@@ -27,15 +28,14 @@ def main(argv=None):
     ap.add_argument("--target", default=EMBEDDED_TARGET)
     ap.add_argument("--drafter", default=str(root.REPO_ROOT), help="drafter folder or Hub id (default: the shipped one)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                    help="auto: float32 on CPU (bf16 matmuls are emulated on CPUs without AVX-512 bf16, ~6x slower here), bfloat16 on GPU")
+                    help="auto: bfloat16 on GPUs and CPUs with AVX-512 bf16 / AMX, else float32 (see precision.py)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
 
     from transformers import TextStreamer
 
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    dtype = getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
+    args.dtype = str(dtype).removeprefix("torch.")
     target, tokenizer = load_target(args.target, dtype=dtype)
     if not (root.Path(args.drafter) / "model.safetensors").is_file() and root.Path(args.drafter).exists():
         raise SystemExit(f"no drafter weights in {args.drafter}: train one (python -m dflash2_tools.train) and export it")

@@ -38,6 +38,7 @@ from .losses import (
     sample_anchors,
     selector_cross_entropy,
 )
+from .precision import bf16_is_fast
 from .regenerate import load_chunks
 from .target import EMBEDDED_TARGET, load_target, resolve_target
 
@@ -299,7 +300,10 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-sequences", type=int, default=48)
     ap.add_argument("--save-every", type=int, default=50)
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast: faster on GPUs and CPUs with AVX-512 bf16 / AMX; ~6x SLOWER on AVX2-only CPUs (measured here)")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="bf16 autocast or fp32; auto: bf16 on GPUs and CPUs with AVX-512 bf16 / AMX only (on an AVX2 CPU "
+                    "a bf16 step measured ~27x slower, see precision.py)")
+    ap.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="same as --precision bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     return ap.parse_args(argv)
@@ -354,13 +358,15 @@ def main(argv=None):
     if not train:
         raise SystemExit(f"no training sequences in {args.data}: run python -m dflash2_tools.regenerate first")
 
+    use_bf16 = args.precision == "bf16" or (args.precision == "auto" and bf16_is_fast(device.type))
+
     def autocast():
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     if is_main:
         print(
             f"drafter: {n_params / 1e6:.2f}M params, {raw.config.num_hidden_layers} layers, block {raw.config.block_size}, "
-            f"target layers {raw.config.target_layer_ids}; data: {len(train)} train / {len(dev)} dev sequences; "
+            f"target layers {raw.config.target_layer_ids}; {'bf16 autocast' if use_bf16 else 'fp32'}; data: {len(train)} train / {len(dev)} dev sequences; "
             + (f"resuming at step {step}" if step else "starting"),
             flush=True,
         )
