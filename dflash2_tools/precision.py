@@ -1,13 +1,12 @@
 """Pick bf16 only where it is fast.
 
-Measured on two machines of this project: on a 2-core AVX2-only EPYC, bf16 made every
-MULTI-token computation much slower than fp32 -- a SmolLM2-135M forward over 4 x 300 tokens ~6x
-(61 s vs 10.5 s), a drafter training step ~27x (80 s vs 2.9 s), an 8-token verification forward
-195 ms vs 190 ms at a third of the single-token cost -- because bf16 matmuls are emulated; only
-one-token decoding got faster (58 ms vs 110 ms per token: half the weight bytes). Training and
-speculative decoding are multi-token work, so ``auto`` means fp32 on such CPUs. On CPUs with
-AVX-512 bf16 / AMX and on GPUs bf16 is the faster choice (a 1.05 s/step bf16 training run in an
-earlier session).
+Measured on a 2-core AVX2-only EPYC (no native bf16; matmuls are emulated): bf16 made
+multi-token work slower than fp32 -- a SmolLM2-135M forward over 4 x 300 tokens 61 s vs 10.5 s,
+a drafter training step 80 s vs 2.9 s -- and an 8-token verification forward no faster (~200 ms
+vs ~190 ms), while one-token decoding got faster (~60 ms vs ~110 ms: half the weight bytes).
+Training and speculative decoding are multi-token work, so ``auto`` means fp32 on such CPUs.
+On CPUs with AVX-512 bf16 / AMX and on GPUs bf16 is the faster choice (an earlier session's
+machine trained at ~1 s/step in bf16).
 """
 
 from __future__ import annotations
