@@ -260,10 +260,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self._start = time.perf_counter()
         self._prompt_length = None
         # Stateful targets (linear attention): the recurrent state must be rolled back by replay.
-        self.rollback = None
-        if getattr(target, "_is_stateful", False):
-            check_rollback_supported(target)
-            self.rollback = LinearStateRollback(target, owner=self)
+        self.rollback = LinearStateRollback(target, owner=self) if getattr(target, "_is_stateful", False) else None
         sink = _STATS_SINK.get()
         if sink is not None:
             sink.append(self.stats)

@@ -50,29 +50,35 @@ def linear_attention_mixers(target) -> dict[int, torch.nn.Module]:
     return mixers
 
 
-def check_rollback_supported(target) -> None:
-    """Raise a clear error when a stateful target has recurrent layers we cannot roll back."""
+def check_rollback_supported(target) -> dict[int, torch.nn.Module]:
+    """The target's linear-attention mixers; a clear error when it has state we cannot roll back."""
     layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
     kinds = set(layer_types) - {"full_attention", "indexed_attention", "sliding_attention", "linear_attention"}
-    missing = {i for i, k in enumerate(layer_types) if k == "linear_attention"} - set(linear_attention_mixers(target))
-    if kinds or missing or not layer_types:
-        what = f"layer types {sorted(kinds)}" if kinds else f"linear-attention layers {sorted(missing)} without a cache_params mixer"
-        raise ValueError(
-            f"DFlash 2 cannot roll back the state of {type(target).__name__} ({what or 'no layer_types in its config'}): "
-            "only attention, DSA-indexed attention and linear-attention (conv + recurrent state) layers are supported"
-        )
+    mixers = linear_attention_mixers(target)
+    missing = {i for i, k in enumerate(layer_types) if k == "linear_attention"} - set(mixers)
+    if not layer_types:
+        what = "no layer_types in its config"
+    elif kinds:
+        what = f"layer types {sorted(kinds)}"
+    elif missing:
+        what = f"linear-attention layers {sorted(missing)} without a cache_params mixer"
+    else:
+        return mixers
+    raise ValueError(
+        f"DFlash 2 cannot roll back the state of {type(target).__name__} ({what}): "
+        "only attention, DSA-indexed attention and linear-attention (conv + recurrent state) layers are supported"
+    )
 
 
 class LinearStateRollback:
     """Snapshot / record / replay for one generation. Hooks are removed when ``owner`` is collected."""
 
     def __init__(self, target, owner):
-        self.mixers = linear_attention_mixers(target)
+        self.mixers = check_rollback_supported(target)
         self.armed = False
         self.recorded: dict[int, dict] = {}
         self.snapshots: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.seconds = 0.0  # snapshot + replay wall time, for the stats
-        self.replays = 0
         handles = [m.register_forward_pre_hook(self._record, with_kwargs=True) for m in self.mixers.values()]
         weakref.finalize(owner, _remove_all, handles)
 
@@ -131,7 +137,6 @@ class LinearStateRollback:
             if layer.record_past:
                 layer.crop(0)  # back to the kernel-size conv window the next forward extends
         self.recorded = {}
-        self.replays += 1
         self.seconds += time.perf_counter() - t0
 
 

@@ -34,7 +34,7 @@ def export(checkpoint: str | Path, out: str | Path = root.REPO_ROOT, target: str
         for name in EXPORTED:
             shutil.copyfile(Path(tmp) / name, out / name)
         if out.resolve() != root.REPO_ROOT.resolve():  # a standalone folder also needs the code
-            for py in ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "rollback_dflash2.py"):
+            for py in root.REMOTE_CODE_FILES:
                 shutil.copyfile(root.REPO_ROOT / py, out / py)
             shutil.copytree(root.REPO_ROOT / "custom_generate", out / "custom_generate", dirs_exist_ok=True)
     if target is not None:

@@ -27,9 +27,10 @@ def drafter_for(target, **kw):
 @pytest.fixture(scope="module", params=["glm5_next", "qwen3_next"])
 def stateful(request):
     target = tiny_glm5_next() if request.param == "glm5_next" else tiny_qwen3_next()
-    accepting, prompts = overfit_drafter(target, steps=80, target_layer_ids=drafter_for(target).config.target_layer_ids,
-                                         target_hidden_reduction=drafter_for(target).config.target_hidden_reduction, conv_group_size=8)
-    return request.param, target, drafter_for(target), accepting, prompts
+    random_drafter = drafter_for(target)
+    accepting, prompts = overfit_drafter(target, steps=80, target_layer_ids=random_drafter.config.target_layer_ids,
+                                         target_hidden_reduction=random_drafter.config.target_hidden_reduction, conv_group_size=8)
+    return request.param, target, random_drafter, accepting, prompts
 
 
 def _state(cache, idx):
