@@ -221,6 +221,27 @@ class Draft:
     proposal_logits: torch.Tensor | None  # [b, n, V] log q (sampling) or None (greedy)
 
 
+def draft_length_policy(generation_config, block_size: int) -> tuple[int, bool]:
+    """(tokens verified per step, adapt it?) from transformers' ``num_assistant_tokens`` knobs.
+
+    The drafter always drafts its whole block (the convs and the mask are per block), but only the
+    first ``num_assistant_tokens`` (at most ``block_size - 1``; transformers' default 20 means all)
+    go to the target. On compute-bound hardware (a CPU) verifying a token costs nearly as much as
+    decoding one, so a short draft can beat the full block; on a GPU verification is almost free.
+    ``num_assistant_tokens_schedule="heuristic"`` (or ``"heuristic_transient"``) adapts the length
+    during a call the way transformers does for assistant models; here it always restarts per call.
+    """
+    n = generation_config.num_assistant_tokens
+    if n is None:
+        n = block_size - 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_assistant_tokens must be an integer >= 1 (got {n!r}); DFlash 2 verifies at most block_size - 1 = {block_size - 1}")
+    schedule = generation_config.num_assistant_tokens_schedule or "constant"
+    if schedule not in ("constant", "heuristic", "heuristic_transient"):
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not one of 'constant', 'heuristic', 'heuristic_transient'")
+    return min(n, block_size - 1), schedule != "constant"
+
+
 def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float, generator=None) -> Draft:
     """Turn drafter hiddens at drafted positions ([b, n, H]) into proposed tokens.
 
@@ -251,6 +272,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.max_length = generation_config.max_length
+        self.draft_limit, self.adaptive = draft_length_policy(generation_config, self.config.block_size)
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.config.target_layer_ids]}
         self.cache = DynamicCache()  # context K/V only; full layers (the sliding window is applied by the mask)
@@ -273,7 +295,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         if is_first_iteration:  # the target's prefill comes first: it yields the prompt's features
             return input_ids, None
         block = self.config.block_size
-        n_draft = min(block - 1, self.max_length - input_ids.shape[1] - 1)
+        n_draft = min(self.draft_limit, self.max_length - input_ids.shape[1] - 1)
         n_new = input_ids.shape[1] - 1 - self.committed  # committed tokens not yet in the drafter cache
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise RuntimeError("DFlash 2 needs the target's hidden states from its verification forward")
@@ -308,6 +330,9 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.last_drafted:
             self.stats.record_step(self.last_drafted, int(num_matches))
+            if self.adaptive:  # transformers' heuristic: +2 after a fully accepted draft, -1 otherwise
+                full = int(num_matches) == self.last_drafted
+                self.draft_limit = min(self.config.block_size - 1, self.draft_limit + 2) if full else max(1, self.draft_limit - 1)
         if self.rollback is not None:  # transformers already cropped K/V, indexer keys and conv states
             self.rollback.finish_step(accepted=int(num_matches) + 1, fed=self.last_drafted + 1)
             self.stats.rollback_seconds = self.rollback.seconds

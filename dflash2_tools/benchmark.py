@@ -10,6 +10,8 @@ own ``generate``:
 * ``dflash1``: the same drafter through transformers' built-in ``speculation_type="dflash"``
   (argmax drafting, no selector: the DFlash-1 way)
 * ``dflash2``: ``target.generate(..., assistant_model=drafter)`` (block draft, top-K, selector walk)
+* ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
+  (``num_assistant_tokens=N``): on a compute-bound CPU each verified token costs real time
 
 Acceptance length for every method = new tokens / target forwards after the prefill (a counter
 on the target's forward), so the numbers are comparable. Every greedy output is checked against
@@ -33,6 +35,13 @@ from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
 METHODS = ("target", "pld", "dflash1", "dflash2")
+
+
+def method_rank(method: str) -> tuple[int, int]:
+    """Table order: METHODS, then ``dflash2-dN`` by N."""
+    if method.startswith("dflash2-d"):
+        return len(METHODS), int(method[len("dflash2-d"):])
+    return METHODS.index(method), 0
 
 
 class ForwardCounter:
@@ -73,7 +82,9 @@ def run_method(method, target, drafter, inputs, gen_kw, counter):
         out = target.generate(**inputs, prompt_lookup_num_tokens=10, **kw)
     elif method == "dflash1":
         out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash", **kw)
-    elif method == "dflash2":
+    elif method == "dflash2" or method.startswith("dflash2-d"):
+        if method != "dflash2":
+            kw["num_assistant_tokens"] = int(method[len("dflash2-d"):])
         with gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
         stats = runs[-1] if runs else None
@@ -141,7 +152,7 @@ def summarize(results):
         groups.setdefault((r["dtype"], r["temperature"], r["prompt_set"], r["method"]), []).append(r)
     base = {(r["dtype"], r["temperature"], r["prompt_set"], r["prompt_id"]): r["tok_per_s"] for r in results if r["method"] == "target"}
     rows = []
-    for (dtype, temp, pset, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], METHODS.index(kv[0][3]))):
+    for (dtype, temp, pset, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], method_rank(kv[0][3]))):
         ratios = [r["tok_per_s"] / base[(dtype, temp, pset, r["prompt_id"])] for r in rs]
         checked = [r["same_as_target"] for r in rs if "same_as_target" in r]
         rows.append({
@@ -219,8 +230,11 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--draft-tokens", nargs="*", type=int, default=[],
+                    help="also run DFlash 2 verifying only N drafted tokens per step (method dflash2-dN)")
     ap.add_argument("--out", default="docs/bench")
     args = ap.parse_args(argv)
+    args.methods += [f"dflash2-d{n}" for n in args.draft_tokens]
     if "target" not in args.methods:
         args.methods = ["target", *args.methods]  # speedups and lossless checks need it
     out = Path(args.out)

@@ -30,6 +30,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto: bfloat16 on GPUs and CPUs with AVX-512 bf16 / AMX, else float32 (see precision.py)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft-tokens", type=int, default=None,
+                    help="verify only the first N drafted tokens per step (num_assistant_tokens; default: the whole block)")
     args = ap.parse_args(argv)
 
     from transformers import TextStreamer
@@ -45,14 +47,15 @@ def main(argv=None):
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     kw = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
+    spec_kw = {} if args.draft_tokens is None else {"num_assistant_tokens": args.draft_tokens}
     target.generate(**inputs, do_sample=False, max_new_tokens=8)  # warm-up
-    target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=8)
+    target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=8, **spec_kw)
 
     print(f"\n>>> {args.prompt}\n")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with gen.collect_stats() as runs:
         t0 = time.perf_counter()
-        spec = target.generate(**inputs, assistant_model=drafter, streamer=streamer, **kw)
+        spec = target.generate(**inputs, assistant_model=drafter, streamer=streamer, **kw, **spec_kw)
         t_spec = time.perf_counter() - t0
     stats = runs[-1]
     t0 = time.perf_counter()

@@ -204,3 +204,30 @@ def test_stats_object(accepting, gen_module):
     rates = stats.per_position_acceptance
     assert len(rates) == drafter.config.block_size - 1 and all(0 <= r <= 1 for r in rates)
     assert sum(stats.histogram().values()) == len(stats.accept_lengths)
+
+
+@pytest.mark.parametrize("n, schedule", [(1, "constant"), (3, "constant"), (2, "heuristic")])
+def test_shorter_drafts_stay_lossless(accepting, gen_module, n, schedule):
+    target, drafter, prompts = accepting
+    drafted = [0] * (drafter.config.block_size - 1)  # per draft position, over all prompts
+    for p in prompts[:3]:
+        ids = torch.tensor([p])
+        ref = target.generate(ids, do_sample=False, max_new_tokens=40)
+        out, stats = gen_module.dflash2_generate(
+            target, drafter, ids, do_sample=False, max_new_tokens=40, num_assistant_tokens=n, num_assistant_tokens_schedule=schedule
+        )
+        assert torch.equal(ref, out)
+        drafted = [a + b for a, b in zip(drafted, stats.drafted_per_position)]
+    if schedule == "constant":  # never more than n tokens go to the target
+        assert all(d == 0 for d in drafted[n:]) and drafted[n - 1] > 0
+    else:  # the accepting drafter earns longer drafts than it started with
+        assert any(d > 0 for d in drafted[n:])
+
+
+def test_bad_draft_length_is_refused(accepting):
+    target, drafter, prompts = accepting
+    ids = torch.tensor([prompts[0]])
+    with pytest.raises(ValueError, match="num_assistant_tokens must be an integer >= 1"):
+        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=5, num_assistant_tokens=0)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=5, num_assistant_tokens_schedule="fast")

@@ -88,13 +88,15 @@ def setup():
 
 
 @pytest.mark.parametrize(
-    "temperature, top_p, repetition_penalty",
-    [(1.0, 1.0, 1.0), (0.7, 0.9, 1.3)],
-    ids=["plain", "processors"],
+    "temperature, top_p, repetition_penalty, draft_tokens",
+    [(1.0, 1.0, 1.0, None), (0.7, 0.9, 1.3, None), (1.0, 1.0, 1.0, 1)],
+    ids=["plain", "processors", "one-token-drafts"],
 )
-def test_speculative_sampling_matches_target_distribution(setup, temperature, top_p, repetition_penalty):
+def test_speculative_sampling_matches_target_distribution(setup, temperature, top_p, repetition_penalty, draft_tokens):
     target, drafter, prompt = setup
     gen_kw = dict(temperature=temperature, top_p=top_p, top_k=0, repetition_penalty=repetition_penalty, pad_token_id=0)
+    if draft_tokens is not None:  # num_assistant_tokens: only the first drafted tokens are verified
+        gen_kw["num_assistant_tokens"] = draft_tokens
     expected = exact_joint(target, prompt, _processors(temperature, top_p, repetition_penalty))
     assert abs(sum(expected.values()) - 1) < 1e-4
     with root.generation().collect_stats() as runs:

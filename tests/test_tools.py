@@ -51,6 +51,11 @@ def test_benchmark_summary_and_table():
     assert "| bfloat16 | 0 | s | dflash2 | 11.0 | 7.0 | 2.0 | 2.0 |" in benchmark.profile_table(rows)
 
 
+def test_benchmark_orders_short_draft_methods_after_the_full_block():
+    names = ["dflash2-d10", "dflash2", "target", "dflash2-d2", "pld", "dflash1"]
+    assert sorted(names, key=benchmark.method_rank) == ["target", "pld", "dflash1", "dflash2", "dflash2-d2", "dflash2-d10"]
+
+
 def test_learning_curve_chains_consecutive_runs(tmp_path):
     import json
 
