@@ -45,6 +45,10 @@ def learning_curve(log_paths, out: str | Path) -> list[dict]:
     ax.plot(xs, [p["acceptance_argmax"] for p in points], "o-", label="argmax draft (DFlash-1 style)")
     if all(p["acceptance_selector"] is not None for p in points):
         ax.plot(xs, [p["acceptance_selector"] for p in points], "s-", label="selector walk (DFlash 2)")
+    for run in sorted({p["run"] for p in points} - {0}):  # each continued run has its own (re-split) dev slice
+        x0 = min(x for x, p in zip(xs, points) if p["run"] == run)
+        ax.axvline(x0, color="grey", ls="--", lw=0.8)
+        ax.annotate(f"run {run + 1}", (x0, 0.02), xycoords=("data", "axes fraction"), fontsize=8, color="grey")
     ax.set_xlabel("training tokens seen (millions, context tokens)")
     ax.set_ylabel("dev acceptance length (tokens / target forward)")
     ax.set_title("DFlash 2 drafter learning curve (held-out regenerated data)")

@@ -305,6 +305,8 @@ def parse_args(argv=None):
                     "a bf16 step measured ~27x slower, see precision.py)")
     ap.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="same as --precision bf16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-only", action="store_true",
+                    help="evaluate the drafter (OUT's checkpoint, else --init-from) on the dev split, print the JSON record, exit")
     ap.add_argument("--threads", type=int, default=None)
     return ap.parse_args(argv)
 
@@ -370,6 +372,15 @@ def main(argv=None):
             + (f"resuming at step {step}" if step else "starting"),
             flush=True,
         )
+    if args.eval_only or (is_main and step == 0 and args.init_from and not log_path.exists()):
+        # a warm start logs where it starts, on ITS dev split, so its learning curve has a baseline
+        record = {"step": step, "tokens_seen": tokens_seen, "loss": None, "dev": evaluate(raw, target, dev, args, device, autocast)}
+        if args.eval_only:
+            print(json.dumps(record), flush=True)
+            return
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tqdm.write(f"step 0 (warm start from {args.init_from}): dev acceptance selector {record['dev'].get('acceptance_length_selector', float('nan')):.2f}")
     n_ctx = len(raw.config.target_layer_ids)
     cache_bytes = sum(len(t) for t, _ in train) * n_ctx * raw.config.hidden_size * 2
     use_cache = args.feature_cache == "memory" or (args.feature_cache == "auto" and cache_bytes < args.cache_gb * 2**30)

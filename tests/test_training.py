@@ -148,6 +148,24 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path):
     assert [r["step"] for r in log] == [3, 6] and "acceptance_length_argmax" in log[-1]["dev"]
 
 
+def test_warm_start_logs_its_baseline_and_eval_only_reproduces_it(tmp_path, capsys):
+    folder, data = _tiny_target_folder(tmp_path)
+    common = ["--target", str(folder), "--data", str(data), "--mask-token-id", str(VOCAB - 2), "--layers", "2",
+              "--block-size", "4", "--batch-size", "2", "--blocks-per-seq", "4", "--eval-sequences", "2",
+              "--selector-rank", "8", "--selector-top-k", "4", "--heads", "6", "--kv-heads", "2", "--conv-group-size", "16"]
+    train.main(common + ["--out", str(tmp_path / "a"), "--max-steps", "3", "--eval-every", "3"])
+    first = tmp_path / "a" / "checkpoint"
+    train.main(common + ["--out", str(tmp_path / "c"), "--init-from", str(first), "--max-steps", "2", "--eval-every", "2"])
+    log_a = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    log_c = [json.loads(line) for line in (tmp_path / "c" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log_c] == [0, 2] and log_c[0]["loss"] is None
+    assert log_c[0]["dev"] == log_a[-1]["dev"]  # the baseline IS the weights it started from
+    capsys.readouterr()
+    train.main(common + ["--out", str(tmp_path / "d"), "--init-from", str(first), "--eval-only"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["dev"] == log_a[-1]["dev"] and not (tmp_path / "d" / "log.jsonl").exists()
+
+
 def test_export_and_reload(tmp_path):
     from dflash2_tools.export import export
 
