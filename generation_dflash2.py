@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -379,7 +380,10 @@ def install_assisted_generation_hook() -> None:
                 f"DFlash 2 through target.generate(assistant_model=...) runs batch size 1 (transformers' assisted "
                 f"decoding loop), got batch size {input_ids.shape[0]}: generate prompt by prompt"
             )
-        return DFlash2CandidateGenerator(self, drafter, config, kwargs.get("logits_processor"))
+        # the drafter's OWN code (the hook is installed once, by whichever drafter module loaded first):
+        # two drafter folders each run, and report statistics from, their own generation module
+        own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
+        return own.DFlash2CandidateGenerator(self, drafter, config, kwargs.get("logits_processor"))
 
     @functools.wraps(original_validate)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):

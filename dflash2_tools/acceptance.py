@@ -24,7 +24,7 @@ from .target import EMBEDDED_TARGET, load_target
 
 
 def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False):
-    gen = root.generation()
+    gen = root.generation_of(drafter)
     pooled = gen.DFlash2Stats(block_size=drafter.config.block_size)
     per_prompt, mismatches = [], 0
     for rec in tqdm(records, desc="acceptance", unit="prompt"):
@@ -35,6 +35,8 @@ def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False
         if stats.accept_lengths:
             per_prompt.append(stats.mean_acceptance_length)
         pooled.merge(stats)
+    if records and not pooled.accept_lengths:
+        raise RuntimeError("no DFlash 2 decoding step was recorded: the drafter's generation code did not run")
     return {
         "prompts": len(records),
         "mean_acceptance_length": pooled.mean_acceptance_length,

@@ -71,7 +71,7 @@ class ForwardCounter:
 
 
 def run_method(method, target, drafter, inputs, gen_kw, counter):
-    gen = root.generation()
+    gen = root.generation_of(drafter)
     kw = dict(gen_kw)
     stats = None
     counter.reset()

@@ -42,7 +42,7 @@ def main(argv=None):
     if not (root.Path(args.drafter) / "model.safetensors").is_file() and root.Path(args.drafter).exists():
         raise SystemExit(f"no drafter weights in {args.drafter}: train one (python -m dflash2_tools.train) and export it")
     drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
-    gen = root.generation()
+    gen = root.generation_of(drafter)
 
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -32,6 +32,15 @@ def generation(repo: str | Path = REPO_ROOT):
     return _sibling("generation_dflash2", repo)
 
 
+def generation_of(drafter):
+    """The ``generation_dflash2`` module of the drafter's OWN remote-code package.
+
+    A drafter loaded from another folder runs that folder's generation code, which records its
+    statistics in its own module; reading the root module's would silently give empty stats.
+    """
+    return sys.modules[type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2"]
+
+
 def config_module(repo: str | Path = REPO_ROOT):
     return _sibling("configuration_dflash2", repo)
 

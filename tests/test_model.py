@@ -324,3 +324,20 @@ def test_default_target_layer_ids():
     f = root.config_module().default_target_layer_ids
     assert f(36, 5) == [1, 9, 17, 25, 33]
     assert f(30, 4) == [1, 10, 18, 27]
+
+
+def test_tools_read_stats_from_a_drafter_folders_own_code(tmp_path, monkeypatch):
+    """A drafter loaded from another folder runs that folder's generation code; the tools must read ITS stats."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel
+
+    from dflash2_tools import drafter as root
+    from tests.conftest import tiny_target
+
+    target = tiny_target()
+    tiny_drafter(target).save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    gen = root.generation_of(loaded)
+    assert gen is not root.generation()  # a different dynamic package: the root collector would stay empty
+    _, stats = gen.dflash2_generate(target, loaded, input_ids=torch.tensor([[3, 5, 7, 11]]), do_sample=False, max_new_tokens=12)
+    assert stats.accept_lengths and stats.mean_acceptance_length >= 1.0
