@@ -23,9 +23,14 @@ def modeling(repo: str | Path = REPO_ROOT):
     return sys.modules[cls.__module__]
 
 
+def _package_module(module_name: str, name: str):
+    """Module ``name`` of the dynamic package that holds ``module_name``."""
+    return sys.modules[module_name.rsplit(".", 1)[0] + "." + name]
+
+
 def _sibling(name: str, repo: str | Path = REPO_ROOT):
     """A root module imported by ``modeling_dflash2`` (same dynamic package)."""
-    return sys.modules[modeling(repo).__name__.rsplit(".", 1)[0] + "." + name]
+    return _package_module(modeling(repo).__name__, name)
 
 
 def generation(repo: str | Path = REPO_ROOT):
@@ -38,7 +43,7 @@ def generation_of(drafter):
     A drafter loaded from another folder runs that folder's generation code, which records its
     statistics in its own module; reading the root module's would silently give empty stats.
     """
-    return sys.modules[type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2"]
+    return _package_module(type(drafter).__module__, "generation_dflash2")
 
 
 def config_module(repo: str | Path = REPO_ROOT):

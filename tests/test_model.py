@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, root, tiny_drafter, tiny_drafter_config
+from conftest import HIDDEN, VOCAB, root, tiny_drafter, tiny_drafter_config, tiny_target
 
 # Config and tensor schema of a public DFlash 2 checkpoint (copied from the project's shared reference).
 SHARED = Path(__file__).resolve().parent / "fixtures"
@@ -330,9 +330,6 @@ def test_tools_read_stats_from_a_drafter_folders_own_code(tmp_path, monkeypatch)
     """A drafter loaded from another folder runs that folder's generation code; the tools must read ITS stats."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel
-
-    from dflash2_tools import drafter as root
-    from tests.conftest import tiny_target
 
     target = tiny_target()
     tiny_drafter(target).save_pretrained(tmp_path)
