@@ -76,6 +76,11 @@ class DFlash2Config(PreTrainedConfig):
             is reduced to ``[b, t, H]``: ``"mean"`` (as the target's own final collapse).
         target_model_type, target_name_or_path (`str`, optional): which target this drafter
             was trained for; named in the error raised for an incompatible target.
+        draft_vocab_ids (`list[int]`, optional): draft only from these token ids (the most
+            frequent ones in the target's own responses). The LM head is then evaluated on
+            this sub-vocabulary: on a CPU the full head is most of a draft's cost. Lossless
+            either way (the target verifies); a target token outside the list just cannot be
+            drafted. Top-level key only: engines that do not know it draft from the full head.
 
     DFlash 2 additions (each pair is all-or-none; ``None`` gives a plain DFlash drafter):
         conv_kernel_size, conv_group_size: two-tap grouped dynamic causal convolution.
@@ -124,6 +129,7 @@ class DFlash2Config(PreTrainedConfig):
     target_hidden_reduction: str | None = None
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    draft_vocab_ids: list[int] | None = None
     dflash_config: dict | None = None
     auto_map: dict | None = None
 
@@ -231,6 +237,12 @@ class DFlash2Config(PreTrainedConfig):
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {self.final_logit_softcapping}")
         if self.target_hidden_reduction is not None and self.target_hidden_reduction not in TARGET_HIDDEN_REDUCTIONS:
             raise ValueError(f"target_hidden_reduction must be one of {TARGET_HIDDEN_REDUCTIONS} or None, got {self.target_hidden_reduction!r}")
+        if self.draft_vocab_ids is not None:
+            ids = self.draft_vocab_ids
+            if len(set(ids)) != len(ids) or not all(0 <= i < self.vocab_size for i in ids):
+                raise ValueError(f"draft_vocab_ids must be distinct token ids in [0, vocab_size={self.vocab_size}); set it to None to draft from the full vocabulary")
+            if self.use_selector and len(ids) < self.selector_top_k:
+                raise ValueError(f"draft_vocab_ids has {len(ids)} tokens, fewer than selector_top_k={self.selector_top_k}: keep at least that many")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
 

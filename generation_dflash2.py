@@ -248,17 +248,26 @@ def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temper
 
     With a selector: top-K + selector walk; q = softmax(S/T) over the candidates.
     Without one (plain DFlash): argmax, or a sample from softmax(logits/T).
+    ``lm_head`` may be a ``DraftVocabHead`` (``drafter.draft_head``): logits then cover its
+    sub-vocabulary, and q is zero outside it (still exact speculative sampling: the residual
+    max(p - q, 0) carries the target's mass there).
     """
-    logits = drafter.draft_logits(lm_head, hidden).float()  # [b, n, V]
+    logits = drafter.draft_logits(lm_head, hidden).float()  # [b, n, V'] (V' = V without a sub-vocabulary)
+    vocab_ids = getattr(lm_head, "vocab_ids", None)  # [V'] or None
+    vocab_size = drafter.config.vocab_size
     if drafter.candidate_selector is not None:
-        walk = drafter.candidate_selector.walk(hidden, logits, anchor, temperature, generator)
-        return Draft(walk.tokens, walk.full_vocab_logits(logits.shape[-1]) if temperature > 0 else None)
+        walk = drafter.candidate_selector.walk(hidden, logits, anchor, temperature, generator, vocab_ids=vocab_ids)
+        return Draft(walk.tokens, walk.full_vocab_logits(vocab_size) if temperature > 0 else None)
     if temperature > 0:
-        log_q = torch.log_softmax(logits / temperature, dim=-1)  # [b, n, V]
+        log_q = torch.log_softmax(logits / temperature, dim=-1)  # [b, n, V']
         b, n, v = log_q.shape
         tokens = torch.multinomial(log_q.exp().view(b * n, v), 1, generator=generator).view(b, n)
+        if vocab_ids is not None:
+            tokens = vocab_ids[tokens]  # [b, n] token ids
+            log_q = log_q.new_full((b, n, vocab_size), float("-inf")).index_copy(-1, vocab_ids, log_q)  # [b, n, V]
         return Draft(tokens, log_q)
-    return Draft(logits.argmax(dim=-1), None)
+    tokens = logits.argmax(dim=-1)  # [b, n]
+    return Draft(tokens if vocab_ids is None else vocab_ids[tokens], None)
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
@@ -271,7 +280,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.config = drafter.config
         self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.lm_head = drafter.draft_head(target.get_output_embeddings())  # the target's, or its draft-vocabulary rows
         self.max_length = generation_config.max_length
         self.draft_limit, self.adaptive = draft_length_policy(generation_config, self.config.block_size)
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0

@@ -369,12 +369,16 @@ class DFlash2CandidateSelector(nn.Module):
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        vocab_ids: torch.Tensor | None = None,
     ) -> SelectorWalk:
         """Walk from the anchor: greedy (T=0) or sampled from softmax(S/T) over the candidates.
 
         hidden: [b, n, H] drafter hidden at drafted positions; logits: [b, n, V]; anchor_ids: [b].
+        vocab_ids: [V'] when ``logits`` cover a sub-vocabulary ([b, n, V']): maps its columns to token ids.
         """
         top_values, top_ids = logits.float().topk(self.top_k, dim=-1)  # [b, n, K]
+        if vocab_ids is not None:
+            top_ids = vocab_ids[top_ids]  # [b, n, K] sub-vocabulary columns -> token ids
         gated = self.hidden_projection(hidden).float()  # [b, n, R]
         prev = anchor_ids
         tokens, log_qs = [], []
@@ -390,6 +394,26 @@ class DFlash2CandidateSelector(nn.Module):
             tokens.append(prev)
             log_qs.append(log_q)
         return SelectorWalk(torch.stack(tokens, 1), top_ids, torch.stack(log_qs, 1))
+
+
+class DraftVocabHead(nn.Module):
+    """The target's LM head restricted to a sub-vocabulary: logits [..., V'] for token ids ``vocab_ids``.
+
+    Built once per generation call (a copy of V' rows of the target's head, never saved). On a
+    CPU the full head (V x H) costs more than the drafter's layers; drafting from the tokens
+    the target actually emits keeps nearly every hit at a fraction of that cost.
+    """
+
+    def __init__(self, lm_head: nn.Module, vocab_ids: list[int]):
+        super().__init__()
+        weight = lm_head.weight
+        self.register_buffer("vocab_ids", torch.tensor(vocab_ids, dtype=torch.long, device=weight.device), persistent=False)
+        self.register_buffer("weight", weight.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
+        bias = getattr(lm_head, "bias", None)
+        self.register_buffer("bias", None if bias is None else bias.detach()[self.vocab_ids], persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight, self.bias)  # [..., V']
 
 
 @dataclass
@@ -540,8 +564,15 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             embeds = embeds * self.config.input_embedding_scale
         return embeds
 
+    def draft_head(self, lm_head: nn.Module) -> nn.Module:
+        """The head drafts go through: the target's, or its ``config.draft_vocab_ids`` rows (a DraftVocabHead)."""
+        if self.config.draft_vocab_ids is None:
+            return lm_head
+        return DraftVocabHead(lm_head, self.config.draft_vocab_ids)
+
     def draft_logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """[b, n, H] drafter hidden -> [b, n, V] logits through the TARGET's head and logit transforms."""
+        """[b, n, H] drafter hidden -> [b, n, V] logits through the TARGET's head and logit transforms
+        (``V`` = the sub-vocabulary's size when ``lm_head`` is a DraftVocabHead)."""
         logits = lm_head(hidden.to(lm_head.weight.dtype))
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
@@ -556,4 +587,4 @@ DFlash2Config.register_for_auto_class()
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 install_assisted_generation_hook()
 
-__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "multi_block_training_mask", "SelectorWalk"]
+__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "DraftVocabHead", "multi_block_training_mask", "SelectorWalk"]

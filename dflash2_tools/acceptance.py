@@ -55,13 +55,17 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: see precision.py")
     ap.add_argument("--check", action="store_true", help="also compare with target-only greedy output")
+    ap.add_argument("--full-vocab", action="store_true", help="draft from the full LM head, ignoring the drafter's draft_vocab_ids")
     args = ap.parse_args(argv)
     dtype = resolve_dtype(args.dtype)
     args.dtype = str(dtype).removeprefix("torch.")
     target, tokenizer = load_target(args.target, dtype=dtype)
     drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
+    if args.full_vocab:
+        drafter.config.draft_vocab_ids = None
     records = load_prompt_set(args.prompt_set)[: args.limit]
-    result = {"prompt_set": args.prompt_set, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "drafter": args.drafter}
+    result = {"prompt_set": args.prompt_set, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "drafter": args.drafter,
+              "draft_vocab": len(drafter.config.draft_vocab_ids or []) or "full"}
     result.update(measure(target, tokenizer, drafter, records, args.max_new_tokens, args.check))
     print(json.dumps(result, indent=1))
 

@@ -10,6 +10,8 @@ own ``generate``:
 * ``dflash1``: the same drafter through transformers' built-in ``speculation_type="dflash"``
   (argmax drafting, no selector: the DFlash-1 way)
 * ``dflash2``: ``target.generate(..., assistant_model=drafter)`` (block draft, top-K, selector walk)
+* ``dflash2-fullvocab``: the same with the full LM head instead of the drafter's draft vocabulary
+  (``draft_vocab_ids``; run only when the drafter has one): what the sub-vocabulary saves and costs
 * ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
   (``num_assistant_tokens=N``): on a compute-bound CPU each verified token costs real time
 
@@ -21,6 +23,7 @@ the target's own greedy output. Results: ``results.json``, ``results.md`` (the t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -34,7 +37,7 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2")
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2-fullvocab")
 
 
 def method_rank(method: str) -> tuple[int, int]:
@@ -70,6 +73,17 @@ class ForwardCounter:
             h.remove()
 
 
+@contextlib.contextmanager
+def full_vocabulary(drafter):
+    """Draft from the full LM head for the duration (the drafter's ``draft_vocab_ids`` set aside)."""
+    saved = drafter.config.draft_vocab_ids
+    drafter.config.draft_vocab_ids = None
+    try:
+        yield
+    finally:
+        drafter.config.draft_vocab_ids = saved
+
+
 def run_method(method, target, drafter, inputs, gen_kw, counter):
     gen = root.generation_of(drafter)
     kw = dict(gen_kw)
@@ -82,10 +96,11 @@ def run_method(method, target, drafter, inputs, gen_kw, counter):
         out = target.generate(**inputs, prompt_lookup_num_tokens=10, **kw)
     elif method == "dflash1":
         out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash", **kw)
-    elif method == "dflash2" or method.startswith("dflash2-d"):
-        if method != "dflash2":
+    elif method.startswith("dflash2"):
+        if method.startswith("dflash2-d"):
             kw["num_assistant_tokens"] = int(method[len("dflash2-d"):])
-        with gen.collect_stats() as runs:
+        head = full_vocabulary(drafter) if method == "dflash2-fullvocab" else contextlib.nullcontext()
+        with head, gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
         stats = runs[-1] if runs else None
     else:
@@ -115,10 +130,11 @@ def benchmark(args):
         dtype = getattr(torch, dtype_name)
         target, tokenizer = load_target(args.target, dtype=dtype)
         drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
+        methods = [m for m in args.methods if m != "dflash2-fullvocab" or drafter.config.draft_vocab_ids is not None]
         counter = ForwardCounter(target)
         sets = {name: load_prompt_set(name)[: args.limit] for name in args.prompt_sets}
         warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        for method in args.methods:  # warm-up every path once
+        for method in methods:  # warm-up every path once
             run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter)
         total = sum(len(v) for v in sets.values()) * len(args.temperatures)
         bar = tqdm(total=total, desc=f"benchmark {dtype_name}", unit="prompt")
@@ -129,7 +145,7 @@ def benchmark(args):
                     gen_kw = dict(max_new_tokens=args.max_new_tokens)
                     gen_kw.update(do_sample=False) if temperature == 0 else gen_kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
                     reference = None
-                    for method in args.methods:
+                    for method in methods:
                         torch.manual_seed(0)
                         out, row = run_method(method, target, drafter, inputs, gen_kw, counter)
                         if method == "target":

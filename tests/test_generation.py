@@ -231,3 +231,86 @@ def test_bad_draft_length_is_refused(accepting):
         target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=5, num_assistant_tokens=0)
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
         target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=5, num_assistant_tokens_schedule="fast")
+
+
+def _emitted_tokens(target, prompts, max_new_tokens=40):
+    seen = set()
+    for p in prompts:
+        seen |= set(target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens)[0].tolist())
+    return seen
+
+
+def test_draft_vocabulary_covering_the_output_drafts_the_same(accepting, gen_module, monkeypatch):
+    """A draft vocabulary holding every token the target emits gives the very same drafts, step for step."""
+    target, drafter, prompts = accepting
+    full = [gen_module.dflash2_generate(target, drafter, torch.tensor([p]), do_sample=False, max_new_tokens=40) for p in prompts]
+    # the emitted tokens plus odd filler ids, so the sub-vocabulary is neither sorted by use nor the full table
+    vocab = sorted(_emitted_tokens(target, prompts) | set(range(5, VOCAB, 7)))
+    assert len(vocab) < VOCAB - 10
+    monkeypatch.setattr(drafter.config, "draft_vocab_ids", vocab)
+    for p, (ref, ref_stats) in zip(prompts, full):
+        out, stats = gen_module.dflash2_generate(target, drafter, torch.tensor([p]), do_sample=False, max_new_tokens=40)
+        assert torch.equal(ref, out)
+        assert stats.accept_lengths == ref_stats.accept_lengths
+
+
+@pytest.mark.parametrize("selector", [True, False], ids=["selector", "argmax"])
+def test_draft_vocabulary_missing_tokens_stays_lossless(accepting, selector, monkeypatch):
+    """Tokens the target emits but the draft vocabulary lacks are never drafted; output is still the target's."""
+    target, drafter, prompts = accepting
+    if not selector:
+        monkeypatch.setattr(drafter, "candidate_selector", None)
+    emitted = sorted(_emitted_tokens(target, prompts[:2]))
+    vocab = [t for t in range(VOCAB) if t not in emitted[::2]]  # every other emitted token is missing
+    monkeypatch.setattr(drafter.config, "draft_vocab_ids", vocab)
+    drafted_tokens = []
+    gen = root.generation_of(drafter)
+    original = gen.propose
+
+    def spy(*args, **kwargs):
+        draft = original(*args, **kwargs)
+        drafted_tokens.extend(draft.tokens.flatten().tolist())
+        return draft
+
+    monkeypatch.setattr(gen, "propose", spy)
+    for p in prompts[:2]:
+        _assert_same(target, drafter, torch.tensor([p]), max_new_tokens=40)
+    assert drafted_tokens and set(drafted_tokens) <= set(vocab)
+
+
+
+def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, modeling_module, monkeypatch):
+    """The blocks generation proposes equal what training computes for the same anchors: all of a
+    sequence's blocks in ONE forward under the multi-block training mask, from one target forward
+    over the final sequence (so the incremental context cache is what training assumes)."""
+    from dflash2_tools import losses, train
+
+    target, drafter, prompts = accepting
+    cfg = drafter.config
+    steps = []  # (anchor position, drafted tokens)
+    original = gen_module.DFlash2CandidateGenerator.get_candidates
+
+    def spy(self, input_ids, *args, **kwargs):
+        out, logits = original(self, input_ids, *args, **kwargs)
+        if out.shape[1] > input_ids.shape[1]:
+            steps.append((input_ids.shape[1] - 1, out[0, input_ids.shape[1] :].tolist()))
+        return out, logits
+
+    monkeypatch.setattr(gen_module.DFlash2CandidateGenerator, "get_candidates", spy)
+    ids = torch.tensor([prompts[2][:9]])  # a prefix the drafter did not see whole in training
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=35, eos_token_id=None, pad_token_id=0)
+    assert len(steps) > 3
+    seq, length = out[0], out.shape[1]
+    anchors = torch.tensor([[a for a, _ in steps]])  # [1, n]
+    with torch.no_grad():
+        feats = train.target_features(target, out, torch.tensor([length]), cfg.target_layer_ids, cfg.target_hidden_reduction)
+        block_ids, _ = losses.block_inputs(out, torch.tensor([length]), anchors, torch.ones_like(anchors, dtype=torch.bool), cfg.block_size, cfg.mask_token_id)
+        positions = torch.cat([torch.arange(length), (anchors[0, :, None] + torch.arange(cfg.block_size)).flatten()])[None]
+        mask = modeling_module.multi_block_training_mask(anchors, cfg.block_size, length, cfg.sliding_window)
+        noise = drafter.embed_block(target.get_input_embeddings(), block_ids)  # [1, n*B, H]
+        hidden = drafter(noise_embeds=noise, context_hidden_states=feats, position_ids=positions, attention_mask=mask).last_hidden_state
+        hidden = hidden.view(anchors.shape[1], cfg.block_size, -1)[:, 1:]  # [n, B-1, H]
+        logits = drafter.draft_logits(target.get_output_embeddings(), hidden)  # [n, B-1, V]
+        walk = drafter.candidate_selector.walk(hidden, logits, seq[anchors[0]])
+    for i, (_, drafted) in enumerate(steps):
+        assert walk.tokens[i, : len(drafted)].tolist() == drafted

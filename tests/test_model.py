@@ -189,6 +189,30 @@ def test_selector_q_rows_are_distributions():
     assert (walk.candidates == walk.tokens[..., None]).any(-1).all()
 
 
+def test_draft_vocabulary_head_and_walk_equal_the_full_ones_restricted():
+    """Sub-vocabulary logits are the full head's columns (transforms included); the walk over them
+    equals the walk over full logits with every other token masked out."""
+    vocab = list(range(3, VOCAB, 4)) + [0]  # unsorted, odd size
+    d = tiny_drafter(draft_vocab_ids=vocab, final_logit_softcapping=3.0)
+    with torch.no_grad():
+        d.candidate_selector.successor_codebook.normal_()
+        d.candidate_selector.predecessor_codebook.normal_()
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=True)
+    sub = d.draft_head(head)
+    ids = torch.tensor(vocab)
+    h = torch.randn(2, 4, HIDDEN)
+    full = d.draft_logits(head, h)
+    torch.testing.assert_close(d.draft_logits(sub, h), full[..., ids])
+    masked = torch.full_like(full, float("-inf")).index_copy(-1, ids, full[..., ids])
+    anchor = torch.tensor([5, 9])
+    for t in (0.0, 0.8):
+        a = d.candidate_selector.walk(h, d.draft_logits(sub, h), anchor, t, torch.Generator().manual_seed(1), vocab_ids=sub.vocab_ids)
+        b = d.candidate_selector.walk(h, masked, anchor, t, torch.Generator().manual_seed(1))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.candidates, b.candidates)
+        torch.testing.assert_close(a.log_q, b.log_q)
+    assert d.draft_head(head) is not head and tiny_drafter().draft_head(head) is head
+
+
 def test_eager_and_sdpa_agree():
     e = tiny_drafter(attn_implementation="eager")
     s = tiny_drafter(attn_implementation="sdpa")
@@ -313,6 +337,9 @@ def test_logit_transforms():
         (dict(use_sliding_window=True, sliding_window=0), "sliding_window"),
         (dict(target_hidden_reduction="max"), "target_hidden_reduction"),
         (dict(dflash_config={"blocksize": 8}), "unknown keys"),
+        (dict(draft_vocab_ids=[1, 2, 2, 3, 4, 5, 6, 7]), "draft_vocab_ids must be distinct"),
+        (dict(draft_vocab_ids=list(range(7)) + [VOCAB]), "draft_vocab_ids must be distinct"),
+        (dict(draft_vocab_ids=[1, 2, 3]), "fewer than selector_top_k"),
     ],
 )
 def test_config_validation_errors(overrides, message):

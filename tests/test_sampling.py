@@ -88,12 +88,14 @@ def setup():
 
 
 @pytest.mark.parametrize(
-    "temperature, top_p, repetition_penalty, draft_tokens",
-    [(1.0, 1.0, 1.0, None), (0.7, 0.9, 1.3, None), (1.0, 1.0, 1.0, 1)],
-    ids=["plain", "processors", "one-token-drafts"],
+    "temperature, top_p, repetition_penalty, draft_tokens, draft_vocab",
+    [(1.0, 1.0, 1.0, None, None), (0.7, 0.9, 1.3, None, None), (1.0, 1.0, 1.0, 1, None), (1.0, 1.0, 1.0, None, [0, 1, 3, 4])],
+    ids=["plain", "processors", "one-token-drafts", "draft-vocabulary"],
 )
-def test_speculative_sampling_matches_target_distribution(setup, temperature, top_p, repetition_penalty, draft_tokens):
+def test_speculative_sampling_matches_target_distribution(setup, monkeypatch, temperature, top_p, repetition_penalty, draft_tokens, draft_vocab):
     target, drafter, prompt = setup
+    if draft_vocab is not None:  # token 2 is never proposed (q = 0): the residual must carry its mass
+        monkeypatch.setattr(drafter.config, "draft_vocab_ids", draft_vocab)
     gen_kw = dict(temperature=temperature, top_p=top_p, top_k=0, repetition_penalty=repetition_penalty, pad_token_id=0)
     if draft_tokens is not None:  # num_assistant_tokens: only the first drafted tokens are verified
         gen_kw["num_assistant_tokens"] = draft_tokens

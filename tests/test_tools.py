@@ -70,3 +70,31 @@ def test_learning_curve_chains_consecutive_runs(tmp_path):
     points = plots.learning_curve([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "lc.png")
     assert [(p["step"], p["tokens_seen"], p["run"]) for p in points] == [(100, 1000, 0), (200, 2000, 0), (250, 2700, 1)]
     assert (tmp_path / "lc.png").stat().st_size > 0 and json.loads((tmp_path / "lc.json").read_text()) == points
+
+
+def test_draft_vocabulary_from_training_responses_only(tmp_path, capsys):
+    """Most frequent RESPONSE tokens of the train split (never prompts, never the dev split), plus EOS."""
+    import json
+
+    from conftest import tiny_drafter
+
+    from dflash2_tools import draft_vocab
+    from dflash2_tools.train import DEV_EVERY
+
+    prompts_, responses = [], []
+    for i in range(2 * DEV_EVERY):
+        dev = i % DEV_EVERY == DEV_EVERY - 1
+        prompts_.append([100, 101, 102, 103])  # frequent, but prompt tokens
+        responses.append([90, 90, 91] if dev else [10, 10, 10, 11, 11, 12 + (i % 3 == 0)])  # dev tokens 90/91
+    (tmp_path / "data").mkdir()
+    save_chunk(tmp_path / "data" / "chunk_00000.npz", prompts_, responses)
+    folder = tmp_path / "drafter"
+    tiny_drafter(selector_top_k=3, eos_token_id=7).save_pretrained(folder)
+    draft_vocab.main(["--data", str(tmp_path / "data"), "--size", "3", "--drafter", str(folder)])
+    report = json.loads(capsys.readouterr().out)
+    config = json.loads((folder / "config.json").read_text())
+    # counts 10 > 11 > 12 > 13 (12 + 1 on every third sequence): the top 3, plus EOS 7
+    assert config["draft_vocab_ids"] == [7, 10, 11, 12]
+    assert report["dev_coverage"] == 0.0 and 0.9 < report["train_coverage"] < 1.0
+    draft_vocab.main(["--data", str(tmp_path / "data"), "--size", "0", "--drafter", str(folder)])
+    assert json.loads((folder / "config.json").read_text()).get("draft_vocab_ids") is None
