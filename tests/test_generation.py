@@ -258,8 +258,16 @@ def test_draft_vocabulary_covering_the_output_drafts_the_same(accepting, gen_mod
 def test_draft_vocabulary_missing_tokens_stays_lossless(accepting, selector, monkeypatch):
     """Tokens the target emits but the draft vocabulary lacks are never drafted; output is still the target's."""
     target, drafter, prompts = accepting
-    if not selector:
-        monkeypatch.setattr(drafter, "candidate_selector", None)
+    saved_selector = drafter.candidate_selector
+    if not selector:  # restored in finally: monkeypatch does not restore a registered submodule
+        drafter.candidate_selector = None
+    try:
+        _draft_with_missing_tokens(target, drafter, prompts, monkeypatch)
+    finally:
+        drafter.candidate_selector = saved_selector
+
+
+def _draft_with_missing_tokens(target, drafter, prompts, monkeypatch):
     emitted = sorted(_emitted_tokens(target, prompts[:2]))
     vocab = [t for t in range(VOCAB) if t not in emitted[::2]]  # every other emitted token is missing
     monkeypatch.setattr(drafter.config, "draft_vocab_ids", vocab)
