@@ -19,14 +19,14 @@ import numpy as np
 
 from . import drafter as root
 from .regenerate import load_chunks
-from .train import DEV_EVERY
+from .train import is_dev_sequence
 
 
 def response_token_counts(sequences, vocab_size: int, dev: bool) -> np.ndarray:
     """Occurrences of every token id in the responses of the train (or dev) split -> [vocab_size]."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for i, (tokens, prompt_len) in enumerate(sequences):
-        if (i % DEV_EVERY == DEV_EVERY - 1) == dev:
+        if is_dev_sequence(i) == dev:
             np.add.at(counts, np.asarray(tokens[prompt_len:], dtype=np.int64), 1)
     return counts
 

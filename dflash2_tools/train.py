@@ -86,13 +86,18 @@ def build_drafter_config(target, args):
     )
 
 
+def is_dev_sequence(index: int) -> bool:
+    """Whether regenerated sequence ``index`` (chunk order) is in the held-out dev slice."""
+    return index % DEV_EVERY == DEV_EVERY - 1
+
+
 def split_sequences(sequences, max_len: int):
     train, dev = [], []
     for i, (tokens, prompt_len) in enumerate(sequences):
         tokens = tokens[:max_len]
         if len(tokens) - prompt_len < 2:
             continue
-        (dev if i % DEV_EVERY == DEV_EVERY - 1 else train).append((tokens, prompt_len))
+        (dev if is_dev_sequence(i) else train).append((tokens, prompt_len))
     return train, dev
 
 

@@ -286,7 +286,6 @@ def _draft_with_missing_tokens(target, drafter, prompts, monkeypatch):
     assert drafted_tokens and set(drafted_tokens) <= set(vocab)
 
 
-
 def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, modeling_module, monkeypatch):
     """The blocks generation proposes equal what training computes for the same anchors: all of a
     sequence's blocks in ONE forward under the multi-block training mask, from one target forward

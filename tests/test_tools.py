@@ -79,11 +79,11 @@ def test_draft_vocabulary_from_training_responses_only(tmp_path, capsys):
     from conftest import tiny_drafter
 
     from dflash2_tools import draft_vocab
-    from dflash2_tools.train import DEV_EVERY
+    from dflash2_tools.train import DEV_EVERY, is_dev_sequence
 
     prompts_, responses = [], []
     for i in range(2 * DEV_EVERY):
-        dev = i % DEV_EVERY == DEV_EVERY - 1
+        dev = is_dev_sequence(i)
         prompts_.append([100, 101, 102, 103])  # frequent, but prompt tokens
         responses.append([90, 90, 91] if dev else [10, 10, 10, 11, 11, 12 + (i % 3 == 0)])  # dev tokens 90/91
     (tmp_path / "data").mkdir()
