@@ -413,7 +413,21 @@ class DraftVocabHead(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach()[self.vocab_ids], persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias)  # [..., V']
+        return linear_head(hidden, self.weight, self.bias)  # [..., V']
+
+
+def linear_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., H] -> [..., V] = hidden @ weight.T (+ bias), computed as ``weight @ rows.T`` over 2-D rows.
+
+    Why not ``F.linear(hidden, weight)``: with a non-contiguous N-D input (a slice of the block)
+    it falls back to a broadcast bmm, ~8x slower fwd+bwd on a CPU; and on CPU BLAS the
+    weight-major product is 1.2-3x faster for few rows (7 drafted positions) than F.linear.
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H] (copies only if hidden is not viewable)
+    logits = (weight @ rows.T).T  # [N, V]
+    if bias is not None:
+        logits = logits + bias
+    return logits.reshape(*hidden.shape[:-1], weight.shape[0])  # [..., V]
 
 
 @dataclass
@@ -573,7 +587,11 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     def draft_logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """[b, n, H] drafter hidden -> [b, n, V] logits through the TARGET's head and logit transforms
         (``V`` = the sub-vocabulary's size when ``lm_head`` is a DraftVocabHead)."""
-        logits = lm_head(hidden.to(lm_head.weight.dtype))
+        hidden = hidden.to(lm_head.weight.dtype)
+        if isinstance(lm_head, (nn.Linear, DraftVocabHead)):  # plain heads: the faster product above
+            logits = linear_head(hidden, lm_head.weight, lm_head.bias)
+        else:  # anything else (a quantized or tensor-parallel head) runs its own forward
+            logits = lm_head(hidden)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         if self.config.final_logit_softcapping is not None:

@@ -124,7 +124,8 @@ def target_features(target, tokens, lengths, layer_ids, reduction=None):
     """[b, T] ids -> [b, T, len(layer_ids)*H] context features (one target forward)."""
     gen = root.generation()
     attention_mask = (torch.arange(tokens.shape[1])[None] < lengths[:, None]).long().to(tokens.device)
-    out = target(input_ids=tokens, attention_mask=attention_mask, output_hidden_states=[l + 1 for l in layer_ids])
+    # logits_to_keep=1: the LM head over every position was a third of this forward (measured), and unused
+    out = target(input_ids=tokens, attention_mask=attention_mask, output_hidden_states=[l + 1 for l in layer_ids], logits_to_keep=1)
     return gen.context_features(out.hidden_states, layer_ids, tokens.shape[1], reduction)
 
 
@@ -156,17 +157,26 @@ def stack_features(cached, idx, width):
 
 
 def drafter_forward(drafter, target, tokens, lengths, prompt_lengths, features, generator, n_blocks):
-    """One multi-block drafter forward. Returns (hidden [b,n,B-1,H], logits [b,n,B-1,V], labels, anchor ids)."""
+    """``n_blocks`` random-anchor blocks per sequence, drafted in one forward (``blocks_forward``)."""
+    anchors, valid = sample_anchors(lengths, prompt_lengths, n_blocks, generator)
+    return blocks_forward(drafter, target, tokens, lengths, anchors, valid, features)
+
+
+def blocks_forward(drafter, target, tokens, lengths, anchors, valid, features):
+    """The blocks at ``anchors`` [b, n] in ONE drafter forward under the multi-block training mask
+    (block i sees the features of tokens < anchors[i] and its own block only, as at inference).
+
+    Returns (hidden [b, n, B-1, H], logits [b, n, B-1, V], labels [b, n, B-1], anchor ids [b, n]).
+    """
     M = root.modeling()
     cfg = drafter.config
     B = cfg.block_size
-    anchors, valid = sample_anchors(lengths, prompt_lengths, n_blocks, generator)
-    ids, labels = block_inputs(tokens.cpu(), lengths, anchors, valid, B, cfg.mask_token_id)
+    b, n_blocks = anchors.shape
+    ids, labels = block_inputs(tokens.cpu(), lengths.cpu(), anchors.cpu(), valid.cpu(), B, cfg.mask_token_id)
     dev = tokens.device
     ids, labels, anchors = ids.to(dev), labels.to(dev), anchors.to(dev)
-    b, T = tokens.shape
-    embed = target.get_input_embeddings()
-    noise = drafter.embed_block(embed, ids)  # [b, n*B, H]
+    T = tokens.shape[1]
+    noise = drafter.embed_block(target.get_input_embeddings(), ids)  # [b, n*B, H]
     positions = torch.cat(
         [torch.arange(T, device=dev)[None].expand(b, -1), (anchors[:, :, None] + torch.arange(B, device=dev)).view(b, -1)], dim=1
     )  # [b, T + n*B]

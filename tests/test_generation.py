@@ -286,11 +286,11 @@ def _draft_with_missing_tokens(target, drafter, prompts, monkeypatch):
     assert drafted_tokens and set(drafted_tokens) <= set(vocab)
 
 
-def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, modeling_module, monkeypatch):
+def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, monkeypatch):
     """The blocks generation proposes equal what training computes for the same anchors: all of a
     sequence's blocks in ONE forward under the multi-block training mask, from one target forward
     over the final sequence (so the incremental context cache is what training assumes)."""
-    from dflash2_tools import losses, train
+    from dflash2_tools import train
 
     target, drafter, prompts = accepting
     cfg = drafter.config
@@ -307,17 +307,12 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mod
     ids = torch.tensor([prompts[2][:9]])  # a prefix the drafter did not see whole in training
     out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=35, eos_token_id=None, pad_token_id=0)
     assert len(steps) > 3
-    seq, length = out[0], out.shape[1]
+    length = out.shape[1]
     anchors = torch.tensor([[a for a, _ in steps]])  # [1, n]
-    with torch.no_grad():
-        feats = train.target_features(target, out, torch.tensor([length]), cfg.target_layer_ids, cfg.target_hidden_reduction)
-        block_ids, _ = losses.block_inputs(out, torch.tensor([length]), anchors, torch.ones_like(anchors, dtype=torch.bool), cfg.block_size, cfg.mask_token_id)
-        positions = torch.cat([torch.arange(length), (anchors[0, :, None] + torch.arange(cfg.block_size)).flatten()])[None]
-        mask = modeling_module.multi_block_training_mask(anchors, cfg.block_size, length, cfg.sliding_window)
-        noise = drafter.embed_block(target.get_input_embeddings(), block_ids)  # [1, n*B, H]
-        hidden = drafter(noise_embeds=noise, context_hidden_states=feats, position_ids=positions, attention_mask=mask).last_hidden_state
-        hidden = hidden.view(anchors.shape[1], cfg.block_size, -1)[:, 1:]  # [n, B-1, H]
-        logits = drafter.draft_logits(target.get_output_embeddings(), hidden)  # [n, B-1, V]
-        walk = drafter.candidate_selector.walk(hidden, logits, seq[anchors[0]])
+    lengths = torch.tensor([length])
+    with torch.no_grad():  # exactly training's path: one target forward, all blocks in one drafter forward
+        feats = train.target_features(target, out, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
+        hidden, logits, _, anchor_ids = train.blocks_forward(drafter, target, out, lengths, anchors, torch.ones_like(anchors, dtype=torch.bool), feats)
+        walk = drafter.candidate_selector.walk(hidden[0], logits[0], anchor_ids[0])  # [n, B-1] drafts
     for i, (_, drafted) in enumerate(steps):
         assert walk.tokens[i, : len(drafted)].tolist() == drafted

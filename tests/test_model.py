@@ -29,6 +29,22 @@ def test_forward_shapes_and_logits():
     assert d.draft_logits(head, out.last_hidden_state).shape == (2, 5, VOCAB)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_draft_logits_equal_the_heads_own_forward_on_block_slices(bias):
+    """The head product draft_logits uses (weight-major, over flattened rows) equals the head's own
+    forward, values and gradients, on the non-contiguous slices training and generation pass."""
+    d = tiny_drafter(final_logit_softcapping=None)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
+    x = torch.randn(2, 3, 5, HIDDEN, requires_grad=True)
+    for h in (x[:, :, 1:], x[0, :, 1:4], x[0, :, 2]):  # [b, n, B-1, H], [n, 3, H], [n, H] views
+        assert not h.is_contiguous()
+        got, ref = d.draft_logits(head, h), head(h)
+        torch.testing.assert_close(got, ref)
+        (g_got,) = torch.autograd.grad(got.square().sum(), x)
+        (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
+        torch.testing.assert_close(g_got, g_ref)
+
+
 def test_context_cache_equals_full_context():
     """Feeding the context in two pieces through the cache equals feeding it at once."""
     d = tiny_drafter()
