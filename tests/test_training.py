@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -107,6 +108,34 @@ def test_a_few_steps_lower_the_loss():
         assert loss_at(0).item() < 0.7 * before
 
 
+def test_feature_cache_on_disk_reloads_without_the_target(tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    seqs = greedy_sequences(target, [[3, 4, 5], [9, 8, 7, 6], [1, 2]], max_new_tokens=10)
+    layers = [0, 2]
+    cache_args = (target, seqs, layers, None, 2, "cpu", contextlib.nullcontext, 0)
+    path = tmp_path / "features.npy"
+    first = train.cache_features(*cache_args, path=path)
+    assert path.exists() and not list(tmp_path.glob("*.partial.npy"))
+    tokens, lengths, _ = train.collate(seqs[1:2], pad_id=0)
+    online = train.target_features(target, tokens, lengths, layers)[0]  # [T, 2H]
+    torch.testing.assert_close(first[1].float(), online.to(torch.bfloat16).float())
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the cached file must be read, not recomputed")
+
+    monkeypatch.setattr(train, "target_features", no_target)
+    again = train.cache_features(*cache_args, path=path)
+    for a, b, (t, _) in zip(first, again, seqs):
+        assert a.dtype == b.dtype == torch.bfloat16 and b.shape == (len(t), 2 * target.config.hidden_size)
+        assert torch.equal(a, b)
+    key = train.feature_cache_key("t", layers, None, False, seqs)
+    changed = [(seqs[0][0][:-1] + [seqs[0][0][-1] + 1], seqs[0][1])] + seqs[1:]
+    assert key != train.feature_cache_key("t", layers, None, False, changed)
+    assert key != train.feature_cache_key("t", [0, 1], None, False, seqs)
+    with pytest.raises(SystemExit, match="delete it"):
+        train.cache_features(*cache_args[:1], seqs[:2], *cache_args[2:], path=path)
+
+
 def _tiny_target_folder(tmp_path):
     """A tiny target saved with a word-level tokenizer, usable as --target by the CLI."""
     from tokenizers import Tokenizer
@@ -135,10 +164,13 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path):
               "--eval-sequences", "2", "--selector-rank", "8", "--selector-top-k", "4", "--heads", "6", "--kv-heads", "2",
               "--conv-group-size", "16"]
     train.main(common + ["--out", str(tmp_path / "a")])
-    train.main(common + ["--out", str(tmp_path / "b"), "--stop-after", "4", "--save-every", "2"])
+    # run b keeps its feature cache on disk: the first half writes it, the resumed half memory-maps it
+    on_disk = ["--feature-cache-dir", str(tmp_path / "features")]
+    train.main(common + on_disk + ["--out", str(tmp_path / "b"), "--stop-after", "4", "--save-every", "2"])
     state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 4
-    train.main(common + ["--out", str(tmp_path / "b"), "--save-every", "2"])  # same command resumes
+    assert len(list((tmp_path / "features").glob("features-*.npy"))) == 1
+    train.main(common + on_disk + ["--out", str(tmp_path / "b"), "--save-every", "2"])  # same command resumes
     a = root.load_drafter(tmp_path / "a" / "checkpoint", dtype=torch.float32).state_dict()
     b = root.load_drafter(tmp_path / "b" / "checkpoint", dtype=torch.float32).state_dict()
     assert a.keys() == b.keys()
