@@ -588,9 +588,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """[b, n, H] drafter hidden -> [b, n, V] logits through the TARGET's head and logit transforms
         (``V`` = the sub-vocabulary's size when ``lm_head`` is a DraftVocabHead)."""
         hidden = hidden.to(lm_head.weight.dtype)
-        if isinstance(lm_head, (nn.Linear, DraftVocabHead)):  # plain heads: the faster product above
+        if isinstance(lm_head, nn.Linear):  # the target's plain head: the faster product (DraftVocabHead uses it too)
             logits = linear_head(hidden, lm_head.weight, lm_head.bias)
-        else:  # anything else (a quantized or tensor-parallel head) runs its own forward
+        else:  # a DraftVocabHead, or a quantized / tensor-parallel head: its own forward
             logits = lm_head(hidden)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
