@@ -45,7 +45,8 @@ def coverage(counts: np.ndarray, ids: list[int]) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="folder written by dflash2_tools.regenerate")
+    ap.add_argument("--data", required=True, nargs="+",
+                    help="folder(s) written by dflash2_tools.regenerate, read in the order given")
     ap.add_argument("--size", type=int, default=8192, help="number of most frequent ids to keep (0: full vocabulary)")
     ap.add_argument("--drafter", default=str(root.REPO_ROOT), help="drafter folder whose config.json is updated")
     args = ap.parse_args(argv)

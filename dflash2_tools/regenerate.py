@@ -7,6 +7,10 @@ resumes at the first missing chunk. ``meta.json`` records the target and the
 generation settings; resuming with other settings is refused.
 
     python -m dflash2_tools.regenerate --out data/smollm2 --limit 4000
+
+More data later, in another folder (e.g. with other settings): ``--offset 4096`` skips the
+first 4,096 shuffled prompts, so the two folders hold different prompts and ``train --data``
+takes both.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .precision import resolve_dtype
 from .prompts import sharegpt_prompts
 from .target import EMBEDDED_TARGET, load_target
 
@@ -45,10 +50,14 @@ def save_chunk(path: Path, prompts: list[list[int]], responses: list[list[int]])
     tmp.rename(path)
 
 
-def load_chunks(folder: str | Path) -> list[tuple[np.ndarray, int]]:
-    """All regenerated sequences as (token ids, prompt length) pairs, in chunk order."""
+def load_chunks(folders: str | Path | list[str | Path]) -> list[tuple[np.ndarray, int]]:
+    """All regenerated sequences as (token ids, prompt length) pairs: folders in the order given,
+    chunks in order within each (so appending a folder leaves the earlier sequences' indices, and
+    with them the dev split, unchanged)."""
+    folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+    paths = [path for folder in folders for path in sorted(Path(folder).glob("chunk_*.npz"))]
     out = []
-    for path in sorted(Path(folder).glob("chunk_*.npz")):
+    for path in paths:
         if ".tmp" in path.name:
             continue
         z = np.load(path)
@@ -83,14 +92,24 @@ def main(argv=None):
     ap.add_argument("--target", default=EMBEDDED_TARGET, help="Hub id, local folder, or the embedded SmolLM2 (default)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--limit", type=int, default=None, help="number of training prompts (default: all)")
+    ap.add_argument("--offset", type=int, default=0,
+                    help=f"skip this many shuffled prompts (a multiple of {CHUNK}) to extend data in a new folder")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bf16 on GPUs and CPUs with native bf16, else fp32 (the faster one, see precision.py); "
+                    "generate in the precision you will serve in, since greedy bf16 and fp32 continuations differ")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.offset % CHUNK or args.offset < 0:
+        ap.error(f"--offset must be a non-negative multiple of {CHUNK} (chunk files are numbered globally), got {args.offset}")
 
+    # under `accelerate launch` / torchrun every process takes every WORLD_SIZE-th chunk
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sampling = {"do_sample": False} if args.temperature == 0 else {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
@@ -99,7 +118,7 @@ def main(argv=None):
         "prompt_set": "sharegpt-train (first human turn)",
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype,
+        "dtype": str(dtype).removeprefix("torch."),
         "sampling": sampling,
         "seed": args.seed,
         "chunk": CHUNK,
@@ -111,20 +130,18 @@ def main(argv=None):
             raise SystemExit(f"{out} was generated with other settings:\n{old}\nnow:\n{meta}\nUse another --out folder.")
     meta_path.write_text(json.dumps(meta, indent=1))
 
-    # under `accelerate launch` / torchrun every process takes every WORLD_SIZE-th chunk
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    model, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
+    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     records = sharegpt_prompts("train")
     random.Random(args.seed).shuffle(records)
     if args.limit:
-        records = records[: args.limit]
+        records = records[: args.offset + args.limit]
     n_chunks = (len(records) + CHUNK - 1) // CHUNK
+    first = args.offset // CHUNK
     done = {p.name for p in out.glob("chunk_*.npz")}
-    bar = tqdm(total=len(records), desc="regenerating", unit="prompt")
+    bar = tqdm(total=len(records) - first * CHUNK, desc="regenerating", unit="prompt")
     n_tokens, t0 = 0, time.time()
-    for c in range(n_chunks):
+    for c in range(first, n_chunks):
         path = out / f"chunk_{c:05d}.npz"
         chunk = records[c * CHUNK : (c + 1) * CHUNK]
         if path.name in done or c % world != rank:

@@ -300,7 +300,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=EMBEDDED_TARGET)
     ap.add_argument("--target-name", default=None, help="name recorded in the drafter config (default: --target)")
-    ap.add_argument("--data", required=True, help="folder written by dflash2_tools.regenerate")
+    ap.add_argument("--data", required=True, nargs="+",
+                    help="folder(s) written by dflash2_tools.regenerate, read in the order given")
     ap.add_argument("--out", required=True)
     ap.add_argument("--init-from", default=None, help="start from this drafter's weights (architecture options are then ignored)")
     ap.add_argument("--block-size", type=int, default=8)

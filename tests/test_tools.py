@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 from dflash2_tools import benchmark, prompts
 from dflash2_tools.regenerate import load_chunks, save_chunk
@@ -34,6 +37,18 @@ def test_chunks_roundtrip(tmp_path):
     seqs = load_chunks(tmp_path)
     assert [(t.tolist(), p) for t, p in seqs] == [([1, 2, 3, 5, 6], 3), ([4, 7, 8, 9], 1), ([70000, 1], 1)]
     assert np.load(tmp_path / "chunk_00000.npz")["tokens"].dtype == np.uint16
+
+
+def test_chunks_from_several_folders_keep_the_first_folders_order(tmp_path):
+    # a second folder (e.g. regenerated later with --offset) is appended: the first folder's
+    # sequences keep their indices, so the index-based dev split of the old data does not move
+    for folder, first in (("a", 0), ("b", 10)):
+        (tmp_path / folder).mkdir()
+        save_chunk(tmp_path / folder / f"chunk_{first + 1:05d}.npz", [[first + 2]], [[1]])
+        save_chunk(tmp_path / folder / f"chunk_{first:05d}.npz", [[first + 1]], [[1]])
+    seqs = load_chunks([tmp_path / "b", tmp_path / "a"])
+    assert [int(t[0]) for t, _ in seqs] == [11, 12, 1, 2]
+    assert [int(t[0]) for t, _ in load_chunks(str(tmp_path / "a"))] == [1, 2]
 
 
 def test_benchmark_summary_and_table():
@@ -98,3 +113,41 @@ def test_draft_vocabulary_from_training_responses_only(tmp_path, capsys):
     assert report["dev_coverage"] == 0.0 and 0.9 < report["train_coverage"] < 1.0
     draft_vocab.main(["--data", str(tmp_path / "data"), "--size", "0", "--drafter", str(folder)])
     assert json.loads((folder / "config.json").read_text()).get("draft_vocab_ids") is None
+
+
+def test_regenerate_offset_extends_data_with_other_prompts_and_refuses_other_settings(tmp_path, monkeypatch):
+    import random
+    import shutil
+
+    from dflash2_tools import regenerate
+    from dflash2_tools.drafter import REPO_ROOT
+
+    from conftest import tiny_target
+
+    target_dir = tmp_path / "target"
+    tiny_target(vocab=49152, hidden=24, layers=2).save_pretrained(target_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the real SmolLM2 tokenizer
+        shutil.copy(REPO_ROOT / name, target_dir / name)
+    records = [{"messages": [{"role": "user", "content": f"prompt number {i}" + " more" * (i % 5)}]} for i in range(150)]
+    monkeypatch.setattr(regenerate, "sharegpt_prompts", lambda split: [dict(r) for r in records])
+    out = tmp_path / "data-b"
+    common = ["--target", str(target_dir), "--out", str(out), "--max-new-tokens", "2", "--batch-size", "16"]
+    regenerate.main(common + ["--offset", "64", "--limit", "64"])
+    assert sorted(p.name for p in out.glob("*.npz")) == ["chunk_00001.npz"]  # chunk 0 belongs to the first folder
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dtype"] in ("float32", "bfloat16")  # "auto" is recorded as what it resolved to
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    shuffled = list(records)
+    random.Random(0).shuffle(shuffled)  # regenerate's own order for --seed 0
+    expected = sorted(tuple(regenerate.encode_prompt(tok, r["messages"])) for r in shuffled[64:128])
+    got = sorted(tuple(t[:p].tolist()) for t, p in load_chunks(out))
+    assert got == expected
+
+    other = "bfloat16" if meta["dtype"] == "float32" else "float32"
+    with pytest.raises(SystemExit, match="other settings"):
+        regenerate.main(common + ["--offset", "64", "--limit", "64", "--dtype", other])
+    with pytest.raises(SystemExit):
+        regenerate.main(common + ["--offset", "10"])  # not a multiple of the chunk size
