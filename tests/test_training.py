@@ -193,9 +193,19 @@ def test_warm_start_logs_its_baseline_and_eval_only_reproduces_it(tmp_path, caps
     assert [r["step"] for r in log_c] == [0, 2] and log_c[0]["loss"] is None
     assert log_c[0]["dev"] == log_a[-1]["dev"]  # the baseline IS the weights it started from
     capsys.readouterr()
-    train.main(common + ["--out", str(tmp_path / "d"), "--init-from", str(first), "--eval-only"])
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the same data split over two folders (as regenerate --offset leaves it): the same dev split
+    seqs = load_chunks(data)
+    for name, part in (("part1", seqs[:5]), ("part2", seqs[5:])):
+        (tmp_path / name).mkdir()
+        save_chunk(tmp_path / name / f"chunk_{len(name):05d}.npz", [t[:p].tolist() for t, p in part], [t[p:].tolist() for t, p in part])
+    two_folders = [a if a != str(data) else str(tmp_path / "part1") for a in common]
+    two_folders.insert(two_folders.index("--data") + 2, str(tmp_path / "part2"))
+    train.main(two_folders + ["--out", str(tmp_path / "d"), "--init-from", str(first), "--eval-only"])
+    out = capsys.readouterr().out
+    printed = json.loads(out.strip().splitlines()[-1])
     assert printed["dev"] == log_a[-1]["dev"] and not (tmp_path / "d" / "log.jsonl").exists()
+    n_train = sum(1 for i, (t, p) in enumerate(seqs) if len(t) - p >= 2 and not train.is_dev_sequence(i))
+    assert f"data: {n_train} train / " in out  # both folders were read
 
 
 def test_export_and_reload(tmp_path):
