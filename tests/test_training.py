@@ -243,3 +243,21 @@ def test_export_and_reload(tmp_path):
     ref = target.generate(ids, do_sample=False, max_new_tokens=12)
     out_ids = target.generate(ids, custom_generate=str(out), trust_remote_code=True, assistant_model=reloaded, do_sample=False, max_new_tokens=12)
     assert torch.equal(ref, out_ids)
+
+
+def test_length_bucketed_batches_cover_each_epoch_once_with_little_padding():
+    lengths = np.random.default_rng(3).integers(20, 700, size=997)  # odd count: a ragged last window
+    bs, world, per_epoch = 4, 2, 997 // 8
+    for bucket in (0, 16):
+        epoch = [[train.batch_indices(lengths, bs, step, seed=5, rank=r, world=world, bucket=bucket) for r in range(world)]
+                 for step in range(per_epoch)]
+        flat = [i for step in epoch for rank in step for i in rank]
+        assert len(flat) == len(set(flat)) == per_epoch * bs * world  # each sequence at most once per epoch
+        assert all(len(rank) == bs for step in epoch for rank in step)
+        assert epoch[0][0] == train.batch_indices(lengths, bs, 0, seed=5, rank=0, world=world, bucket=bucket)  # deterministic
+        assert train.batch_indices(lengths, bs, per_epoch, seed=5, world=world, bucket=bucket) != epoch[0][0]  # next epoch reshuffles
+        padded = sum(max(lengths[rank]) * bs for step in epoch for rank in step) / sum(lengths[flat])
+        if bucket:
+            assert padded < 1.1, padded
+        else:
+            assert padded > 1.3, padded
