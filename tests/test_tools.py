@@ -151,3 +151,16 @@ def test_regenerate_offset_extends_data_with_other_prompts_and_refuses_other_set
         regenerate.main(common + ["--offset", "64", "--limit", "64", "--dtype", other])
     with pytest.raises(SystemExit):
         regenerate.main(common + ["--offset", "10"])  # not a multiple of the chunk size
+
+
+def test_data_stats_counts_loops_per_window():
+    from dflash2_tools.data_stats import data_stats, repeated_ngram_flags
+
+    assert repeated_ngram_flags([1, 2, 3, 4, 1, 2, 3, 4, 5], n=4).tolist() == [False, False, False, False, True, False]
+    loop = np.array([9] * 3 + list(range(10, 18)) * 4)  # prompt [9, 9, 9], then an 8-token phrase 4 times
+    fresh = np.array([9] * 3 + list(range(100, 132)))
+    stats = data_stats([(loop, 3), (fresh, 3)], windows=((0, 16), (16, 32)))
+    rep = stats["repeated_4gram_fraction"]
+    assert rep["0-16"] == {"responses": 2, "fraction": round((5 / 13) / 2, 3)}  # loop: 4-grams at 8..12 of 0..12 repeat
+    assert rep["16-32"] == {"responses": 2, "fraction": 0.5}  # loop: all repeats; fresh: none
+    assert stats["sequences"] == 2 and stats["response_tokens"] == 64 and stats["share_at_max"] == 1.0

@@ -261,3 +261,15 @@ def test_length_bucketed_batches_cover_each_epoch_once_with_little_padding():
             assert padded < 1.1, padded
         else:
             assert padded > 1.3, padded
+
+
+def test_split_sequences_cuts_responses_and_keeps_the_dev_split():
+    seqs = [(np.arange(10 + i), 4) for i in range(120)]  # prompt 4 tokens, responses of 6..125
+    train_all, dev_all = train.split_sequences(seqs, max_len=50)
+    train_cut, dev_cut = train.split_sequences(seqs, max_len=50, max_response_tokens=8)
+    assert len(train_cut) == len(train_all) and len(dev_cut) == len(dev_all) > 0
+    assert max(len(t) for t, _ in train_all) == 50
+    assert [len(t) for t, _ in train_cut][:3] == [10, 11, 12] and max(len(t) for t, _ in train_cut + dev_cut) == 12
+    assert all(np.array_equal(a[: len(b)], b) for (a, _), (b, _) in zip(train_all, train_cut))
+    short = [(np.arange(5), 4)]  # one response token: nothing to predict after the anchor
+    assert train.split_sequences(short, max_len=50) == ([], [])
