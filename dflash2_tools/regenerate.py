@@ -91,7 +91,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=EMBEDDED_TARGET, help="Hub id, local folder, or the embedded SmolLM2 (default)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--limit", type=int, default=None, help="number of training prompts (default: all)")
+    ap.add_argument("--limit", type=int, default=None, help="number of training prompts after --offset (default: all)")
     ap.add_argument("--offset", type=int, default=0,
                     help=f"skip this many shuffled prompts (a multiple of {CHUNK}) to extend data in a new folder")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
