@@ -112,3 +112,19 @@ def expected_acceptance_from_rates(per_position: list[float]) -> float:
         run *= rate
         total += run
     return total if math.isfinite(total) else float("nan")
+
+
+def greedy_verifier_steps(acceptance_at) -> list[int]:
+    """Tokens committed per target forward when greedy decoding re-generates a response itself.
+
+    ``acceptance_at[a]`` = acceptance length (1 + accepted drafts) of the block anchored at the
+    a-th response token. A greedy verifier anchors its first block at the first response token,
+    commits ``acceptance_at[a]`` tokens and anchors the next block right after them, so it visits
+    only the anchors this walk visits. An average over uniform anchors is biased upward against
+    it: the anchors right after a rejected draft are the surprising tokens.
+    """
+    steps, a = [], 0
+    while a < len(acceptance_at):
+        steps.append(int(acceptance_at[a]))
+        a += steps[-1]
+    return steps

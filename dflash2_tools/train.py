@@ -35,6 +35,7 @@ from .losses import (
     acceptance_lengths,
     block_cross_entropy,
     block_inputs,
+    greedy_verifier_steps,
     position_weights,
     sample_anchors,
     selector_cross_entropy,
@@ -252,7 +253,11 @@ def compute_loss(drafter, target, batch, features, generator, args):
 
 @torch.no_grad()
 def evaluate(drafter, target, dev, args, device, autocast):
-    """Per-position top-1 / top-K recall and acceptance length (argmax and selector walk) on held-out blocks."""
+    """Per-position top-1 / top-K recall and acceptance length (argmax and selector walk) on held-out
+    sequences: over blocks at random anchors, and on-policy (``on_policy_acceptance_length_*``: the
+    anchors a greedy verifier visits when it re-generates the response, i.e. what the plain
+    ``generate(..., assistant_model=drafter)`` call measures when the data is the target's own
+    greedy output in the precision it is served in)."""
     drafter.eval()
     B = drafter.config.block_size
     K = drafter.config.selector_top_k or 16
@@ -260,7 +265,8 @@ def evaluate(drafter, target, dev, args, device, autocast):
     top1 = torch.zeros(B - 1)
     topk = torch.zeros(B - 1)
     count = torch.zeros(B - 1)
-    acc_argmax, acc_walk = [], []
+    uniform = {"argmax": [], "selector": []}  # acceptance of blocks at random anchors
+    on_policy = {"argmax": [0, 0], "selector": [0, 0]}  # [tokens committed, target forwards]
     for start in range(0, min(len(dev), args.eval_sequences), args.batch_size):
         batch = collate(dev[start : start + args.batch_size], args.pad_id)
         tokens, lengths, prompt_lengths = (x.to(device) for x in batch)
@@ -274,20 +280,53 @@ def evaluate(drafter, target, dev, args, device, autocast):
         topk += ((top == labels[..., None]).any(-1) & valid).sum((0, 1)).float().cpu()
         count += valid.sum((0, 1)).float().cpu()
         blocks = valid[..., 0]  # blocks with at least one label
-        acc_argmax.append(acceptance_lengths(top[..., 0], labels)[blocks].float().cpu())
-        if drafter.candidate_selector is not None:
-            b, n = anchor_ids.shape
-            walk = drafter.candidate_selector.walk(hidden.float().flatten(0, 1), logits.flatten(0, 1), anchor_ids.flatten())
-            acc_walk.append(acceptance_lengths(walk.tokens.view(b, n, -1), labels)[blocks].float().cpu())
+        for method, acc in block_acceptance(drafter, hidden, logits, labels, anchor_ids).items():
+            uniform[method].append(acc[blocks].float().cpu())
+        for row in range(tokens.shape[0]):  # the anchors a greedy verifier would visit, one sequence at a time
+            for method, acc in response_acceptance(drafter, target, tokens[row : row + 1], lengths[row : row + 1].cpu(),
+                                                   int(prompt_lengths[row]), feats[row : row + 1], autocast).items():
+                steps = greedy_verifier_steps(acc.tolist())
+                on_policy[method][0] += sum(steps)
+                on_policy[method][1] += len(steps)
     drafter.train()
     result = {
         "top1_per_position": (top1 / count.clamp(min=1)).tolist(),
         "topk_per_position": (topk / count.clamp(min=1)).tolist(),
-        "acceptance_length_argmax": float(torch.cat(acc_argmax).mean()) if acc_argmax else float("nan"),
     }
-    if acc_walk:
-        result["acceptance_length_selector"] = float(torch.cat(acc_walk).mean())
+    for method in uniform:  # argmax always (NaN without dev data), the selector where the drafter has one
+        if uniform[method] or method == "argmax":
+            result[f"acceptance_length_{method}"] = float(torch.cat(uniform[method]).mean()) if uniform[method] else float("nan")
+            tokens, forwards = on_policy[method]
+            result[f"on_policy_acceptance_length_{method}"] = tokens / forwards if forwards else float("nan")
     return result
+
+
+def block_acceptance(drafter, hidden, logits, labels, anchor_ids) -> dict[str, torch.Tensor]:
+    """Acceptance length of every block [b, n] under greedy verification: argmax drafts and, if the
+    drafter has a selector, its walk through the top-K."""
+    out = {"argmax": acceptance_lengths(logits.argmax(-1), labels)}
+    if drafter.candidate_selector is not None:
+        b, n = anchor_ids.shape
+        walk = drafter.candidate_selector.walk(hidden.float().flatten(0, 1), logits.float().flatten(0, 1), anchor_ids.flatten())
+        out["selector"] = acceptance_lengths(walk.tokens.view(b, n, -1), labels)
+    return out
+
+
+@torch.no_grad()
+def response_acceptance(drafter, target, tokens, lengths, prompt_len: int, features, autocast, chunk: int = 64):
+    """Acceptance length of the block anchored at EVERY response token of one sequence ([1, T]), in
+    forwards of ``chunk`` blocks -> {method: [n_response_anchors]}."""
+    L = int(lengths[0])
+    anchors_all = torch.arange(prompt_len, L - 1)  # the first block is drafted after the prefill's own token
+    out = {}
+    for start in range(0, len(anchors_all), chunk):
+        anchors = anchors_all[start : start + chunk][None]  # [1, n]
+        with autocast():
+            hidden, logits, labels, anchor_ids = blocks_forward(drafter, target, tokens[:, :L], lengths, anchors,
+                                                                torch.ones_like(anchors, dtype=torch.bool), features[:, :L])
+        for method, acc in block_acceptance(drafter, hidden, logits.float(), labels, anchor_ids).items():
+            out.setdefault(method, []).append(acc[0].cpu())
+    return {method: torch.cat(parts) for method, parts in out.items()}
 
 
 def lr_at(step: int, total: int, base: float, warmup: float) -> float:
@@ -457,7 +496,8 @@ def main(argv=None):
             return
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        tqdm.write(f"step 0 (warm start from {args.init_from}): dev acceptance selector {record['dev'].get('acceptance_length_selector', float('nan')):.2f}")
+        tqdm.write(f"step 0 (warm start from {args.init_from}): dev acceptance selector {record['dev'].get('acceptance_length_selector', float('nan')):.2f}"
+                   f" (on-policy {record['dev'].get('on_policy_acceptance_length_selector', float('nan')):.2f})")
     n_ctx = len(raw.config.target_layer_ids)
     cache_bytes = sum(len(t) for t, _ in train) * n_ctx * raw.config.hidden_size * 2
     use_cache = args.feature_cache == "memory" or (
@@ -518,6 +558,7 @@ def main(argv=None):
             tqdm.write(
                 f"step {step}: loss {record['loss']:.3f} | dev acceptance argmax {dv['acceptance_length_argmax']:.2f}"
                 + (f" selector {dv['acceptance_length_selector']:.2f}" if "acceptance_length_selector" in dv else "")
+                + f" (on-policy {dv.get('on_policy_acceptance_length_selector', dv['on_policy_acceptance_length_argmax']):.2f})"
                 + f" | top1 pos1 {dv['top1_per_position'][0]:.2f} pos{raw.config.block_size - 1} {dv['top1_per_position'][-1]:.2f}"
             )
         if is_main and (step % args.save_every == 0 or step == stop):

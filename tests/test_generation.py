@@ -316,3 +316,42 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mon
         walk = drafter.candidate_selector.walk(hidden[0], logits[0], anchor_ids[0])  # [n, B-1] drafts
     for i, (_, drafted) in enumerate(steps):
         assert walk.tokens[i, : len(drafted)].tolist() == drafted
+
+
+def test_on_policy_dev_acceptance_equals_what_generation_measures(accepting, gen_module, monkeypatch):
+    """Training's on-policy dev metric (blocks at EVERY response anchor, then the greedy verifier's
+    walk over them) reproduces, step by step, the acceptance of the plain generate call on the
+    target's own greedy text."""
+    import contextlib
+
+    from dflash2_tools import losses, train
+
+    target, drafter, prompts = accepting
+    accepted = []
+    original = gen_module.DFlash2Stats.record_step
+
+    def spy(self, drafted, n_accepted):
+        accepted.append(n_accepted)
+        return original(self, drafted, n_accepted)
+
+    monkeypatch.setattr(gen_module.DFlash2Stats, "record_step", spy)
+    ids = torch.tensor([prompts[2][:9]])
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    assert len(accepted) > 3 and max(accepted) >= 2  # a drafter that does accept
+    lengths = torch.tensor([out.shape[1]])
+    cfg = drafter.config
+    with torch.no_grad():
+        feats = train.target_features(target, out, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
+    acc = train.response_acceptance(drafter, target, out, lengths, ids.shape[1], feats, contextlib.nullcontext, chunk=7)
+    steps = losses.greedy_verifier_steps(acc["selector"].tolist())
+    # every step but the last (where generation drafts one token less, to leave room for its own token)
+    assert len(steps) == len(accepted)
+    assert steps[:-1] == [a + 1 for a in accepted[:-1]]
+    assert steps[-1] - 1 in (accepted[-1], accepted[-1] + 1)
+
+
+def test_greedy_verifier_steps_walk_from_the_first_anchor():
+    from dflash2_tools.losses import greedy_verifier_steps
+
+    assert greedy_verifier_steps([3, 9, 9, 1, 2, 9, 1]) == [3, 1, 2, 1]  # anchors 0, 3, 4, 6
+    assert greedy_verifier_steps([1] * 4) == [1, 1, 1, 1] and greedy_verifier_steps([]) == []
