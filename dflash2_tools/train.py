@@ -296,8 +296,8 @@ def evaluate(drafter, target, dev, args, device, autocast):
     for method in uniform:  # argmax always (NaN without dev data), the selector where the drafter has one
         if uniform[method] or method == "argmax":
             result[f"acceptance_length_{method}"] = float(torch.cat(uniform[method]).mean()) if uniform[method] else float("nan")
-            tokens, forwards = on_policy[method]
-            result[f"on_policy_acceptance_length_{method}"] = tokens / forwards if forwards else float("nan")
+            committed, forwards = on_policy[method]
+            result[f"on_policy_acceptance_length_{method}"] = committed / forwards if forwards else float("nan")
     return result
 
 
