@@ -42,6 +42,18 @@ DFLASH_CONFIG_KEYS = (
 _OPTIONAL_DFLASH_KEYS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale", "target_hidden_reduction")
 TARGET_HIDDEN_REDUCTIONS = ("mean", "first", "concat")
 
+# The hybrid n-gram proposer's defaults (see ngram_dflash2.py; the rule's numbers are calibrated
+# by ``python -m dflash2_tools.calibrate_hybrid`` and written into a checkpoint's ``hybrid_ngram``).
+# Defaults: the fit on the shipped SmolLM2 drafter (docs/hybrid/calibration.json).
+HYBRID_NGRAM_DEFAULTS = {
+    "num_tokens": 7,
+    "min_n": 1,
+    "max_n": 4,
+    "ngram_acceptance": [0.0, 0.378, 0.672, 0.772, 0.928],
+    "drafter_scale": 0.8,
+    "ngram_margin": 0.0,
+}
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Spread ``num_draft_layers`` context taps over the target: ``round(1 + i*(L-4)/(n-1))``."""
@@ -81,6 +93,12 @@ class DFlash2Config(PreTrainedConfig):
             this sub-vocabulary: on a CPU the full head is most of a draft's cost. Lossless
             either way (the target verifies); a target token outside the list just cannot be
             drafted. Top-level key only: engines that do not know it draft from the full head.
+        hybrid_ngram (`dict`, optional): the prompt-lookup proposer beside the block draft
+            (``ngram_dflash2.py``): ``num_tokens`` (continuation length, 0 = off), ``min_n``,
+            ``max_n``, and the calibrated rule ``ngram_acceptance`` (per match length),
+            ``drafter_scale``, ``ngram_margin``. Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
+            Per call, transformers' own ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``
+            override ``num_tokens`` / ``max_n``. Top-level key only (engines ignore it).
 
     DFlash 2 additions (each pair is all-or-none; ``None`` gives a plain DFlash drafter):
         conv_kernel_size, conv_group_size: two-tap grouped dynamic causal convolution.
@@ -130,6 +148,7 @@ class DFlash2Config(PreTrainedConfig):
     target_model_type: str | None = None
     target_name_or_path: str | None = None
     draft_vocab_ids: list[int] | None = None
+    hybrid_ngram: dict | None = None
     dflash_config: dict | None = None
     auto_map: dict | None = None
 
@@ -177,6 +196,10 @@ class DFlash2Config(PreTrainedConfig):
     def to_dict(self):
         self.dflash_config = self.nested_dflash_config()
         return super().to_dict()
+
+    def hybrid_settings(self) -> dict:
+        """``hybrid_ngram`` with the defaults filled in."""
+        return {**HYBRID_NGRAM_DEFAULTS, **(self.hybrid_ngram or {})}
 
     # ---- validation (called by @strict on construction) -------------------------------------------------------
 
@@ -243,8 +266,15 @@ class DFlash2Config(PreTrainedConfig):
                 raise ValueError(f"draft_vocab_ids must be distinct token ids in [0, vocab_size={self.vocab_size}); set it to None to draft from the full vocabulary")
             if self.use_selector and len(ids) < self.selector_top_k:
                 raise ValueError(f"draft_vocab_ids has {len(ids)} tokens, fewer than selector_top_k={self.selector_top_k}: keep at least that many")
+        if self.hybrid_ngram is not None:
+            unknown = set(self.hybrid_ngram) - set(HYBRID_NGRAM_DEFAULTS)
+            if unknown:
+                raise ValueError(f"hybrid_ngram has unknown keys {sorted(unknown)}; known keys: {sorted(HYBRID_NGRAM_DEFAULTS)}")
+            h = self.hybrid_settings()
+            if h["num_tokens"] < 0 or not 1 <= h["min_n"] <= h["max_n"]:
+                raise ValueError(f"hybrid_ngram needs num_tokens >= 0 and 1 <= min_n <= max_n, got {h}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
 
 
-__all__ = ["DFlash2Config", "default_target_layer_ids"]
+__all__ = ["DFlash2Config", "HYBRID_NGRAM_DEFAULTS", "default_target_layer_ids"]

@@ -6,7 +6,9 @@ One decoding step (transformers' assisted-decoding loop drives it; batch size 1)
        committed; keep only ``target_layer_ids`` and append them to the drafter's context cache
     2. draft: one drafter forward on ``[anchor, MASK * (B-1)]``; crop the block's K/V back off
     3. propose: top-K of the draft logits at every position, then the selector walks one
-       path from the anchor (greedy, or sampled at the generation temperature)
+       path from the anchor (greedy, or sampled at the generation temperature); the hybrid
+       rule (ngram_dflash2.py) verifies a prompt-lookup continuation instead when its expected
+       accepted length is higher (q = the point mass on each n-gram token)
     4. verify: ONE target forward over the proposal; greedy keeps the longest prefix equal to
        the target's argmax, sampling runs exact speculative sampling with the selector's q
        as the proposal distribution (accept w.p. min(1, p/q), else resample norm(max(p-q, 0)))
@@ -36,6 +38,7 @@ from packaging import version
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .ngram_dflash2 import HybridRule, NgramIndex
 from .rollback_dflash2 import LinearStateRollback, check_rollback_supported
 
 TESTED_TRANSFORMERS = (version.parse("5.23.0"), version.parse("5.24.0"))  # [min, max)
@@ -74,16 +77,25 @@ class DFlash2Stats:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     rollback_seconds: float = 0.0  # stateful targets: snapshot + replay of linear-attention states
+    proposers: list[str] = field(default_factory=list)  # per step: "dflash2" (block draft) or "ngram" (prompt lookup)
+    per_proposer: dict = field(default_factory=dict)  # proposer -> {"steps", "drafted", "accepted"}
 
     def __post_init__(self):
         n = self.block_size - 1
         self.drafted_per_position = self.drafted_per_position or [0] * n
         self.accepted_per_position = self.accepted_per_position or [0] * n
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, proposer: str = "dflash2") -> None:
         self.accept_lengths.append(accepted + 1)
+        self.proposers.append(proposer)
         self.drafted += drafted
         self.accepted += accepted
+        counts = self.per_proposer.setdefault(proposer, {"steps": 0, "drafted": 0, "accepted": 0})
+        counts["steps"] += 1
+        counts["drafted"] += drafted
+        counts["accepted"] += accepted
+        if proposer != "dflash2":  # per-position rates are the block draft's (an n-gram run may be longer)
+            return
         for i in range(drafted):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < accepted)
@@ -99,6 +111,11 @@ class DFlash2Stats:
         self.seconds += other.seconds
         self.draft_seconds += other.draft_seconds
         self.rollback_seconds += other.rollback_seconds
+        self.proposers += other.proposers
+        for name, counts in other.per_proposer.items():
+            mine = self.per_proposer.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+            for key in mine:
+                mine[key] += counts[key]
         return self
 
     @property
@@ -134,10 +151,31 @@ class DFlash2Stats:
             "per_position_acceptance": self.per_position_acceptance,
             "acceptance_length_histogram": self.histogram(),
             "accept_lengths": self.accept_lengths,
+            "proposers": self.proposers,
+            "per_proposer": {
+                name: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)}
+                for name, c in self.per_proposer.items()
+            },
         }
 
 
 _STATS_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash2_stats_sink", default=None)
+
+
+_TRACE_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash2_trace_sink", default=None)
+
+
+@contextlib.contextmanager
+def trace_proposals():
+    """``with trace_proposals() as steps: target.generate(...)``: per step, both proposals (the block
+    draft with its confidences, the n-gram continuation with its match length) and the position,
+    whichever was verified; ``dflash2_tools.calibrate_hybrid`` fits the hybrid rule from them."""
+    steps: list[dict] = []
+    token = _TRACE_SINK.set(steps)
+    try:
+        yield steps
+    finally:
+        _TRACE_SINK.reset(token)
 
 
 @contextlib.contextmanager
@@ -220,6 +258,7 @@ def context_features(hidden_states, layer_ids: list[int], n_tokens: int, reducti
 class Draft:
     tokens: torch.Tensor  # [b, n]
     proposal_logits: torch.Tensor | None  # [b, n, V] log q (sampling) or None (greedy)
+    confidence: torch.Tensor | None = None  # [b, n] the proposal's own probability of each token (temperature 1)
 
 
 def draft_length_policy(generation_config, block_size: int) -> tuple[int, bool]:
@@ -257,17 +296,45 @@ def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temper
     vocab_size = drafter.config.vocab_size
     if drafter.candidate_selector is not None:
         walk = drafter.candidate_selector.walk(hidden, logits, anchor, temperature, generator, vocab_ids=vocab_ids)
-        return Draft(walk.tokens, walk.full_vocab_logits(vocab_size) if temperature > 0 else None)
+        return Draft(walk.tokens, walk.full_vocab_logits(vocab_size) if temperature > 0 else None, walk.confidence)
     if temperature > 0:
         log_q = torch.log_softmax(logits / temperature, dim=-1)  # [b, n, V']
         b, n, v = log_q.shape
         tokens = torch.multinomial(log_q.exp().view(b * n, v), 1, generator=generator).view(b, n)
+        confidence = logits.softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)  # [b, n]
         if vocab_ids is not None:
             tokens = vocab_ids[tokens]  # [b, n] token ids
             log_q = log_q.new_full((b, n, vocab_size), float("-inf")).index_copy(-1, vocab_ids, log_q)  # [b, n, V]
-        return Draft(tokens, log_q)
-    tokens = logits.argmax(dim=-1)  # [b, n]
-    return Draft(tokens if vocab_ids is None else vocab_ids[tokens], None)
+        return Draft(tokens, log_q, confidence)
+    confidence, tokens = logits.softmax(-1).max(dim=-1)  # [b, n] each
+    return Draft(tokens if vocab_ids is None else vocab_ids[tokens], None, confidence)
+
+
+def ngram_policy(generation_config, config) -> tuple[int, int, int]:
+    """(continuation length, min n, max n) of the hybrid n-gram proposer; length 0 = off.
+
+    transformers' own prompt-lookup knobs, passed together with ``assistant_model=drafter``, set
+    the hybrid (they would otherwise select plain prompt lookup and ignore the drafter):
+    ``prompt_lookup_num_tokens`` the continuation length (0 turns the n-gram proposer off),
+    ``max_matching_ngram_size`` the longest n-gram matched. Unset: the drafter config's
+    ``hybrid_ngram`` (defaults in configuration_dflash2.HYBRID_NGRAM_DEFAULTS).
+    """
+    settings = config.hybrid_settings()
+    num_tokens, max_n = settings["num_tokens"], settings["max_n"]
+    if generation_config.prompt_lookup_num_tokens is not None:
+        num_tokens = generation_config.prompt_lookup_num_tokens
+    if generation_config.max_matching_ngram_size is not None:
+        max_n = generation_config.max_matching_ngram_size
+    for name, value, low in (("prompt_lookup_num_tokens", num_tokens, 0), ("max_matching_ngram_size", max_n, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low} with a DFlash 2 drafter (0 turns the n-gram proposer off), got {value!r}")
+    return num_tokens, min(settings["min_n"], max_n), max_n
+
+
+def point_mass_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """log q for a deterministic proposal: 0 at each proposed token, -inf elsewhere. [b, n] -> [b, n, V]"""
+    out = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)  # [b, n, V]
+    return out.scatter(-1, tokens[..., None], 0.0)
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
@@ -285,8 +352,15 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.draft_limit, self.adaptive = draft_length_policy(generation_config, self.config.block_size)
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.config.target_layer_ids]}
+        self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
+        self.ngram = NgramIndex(min_n, max_n) if self.ngram_tokens else None
+        settings = self.config.hybrid_settings()
+        self.rule = HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"])
+        self.last_proposer = "dflash2"
+        self.trace = _TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
         self.cache = DynamicCache()  # context K/V only; full layers (the sliding window is applied by the mask)
         self.committed = 0  # tokens whose target features are in the drafter cache
+        self.pending_features = []  # [1, n, n*H] features of committed tokens not yet in it (steps the drafter skipped)
         self.last_drafted = 0
         self.stats = DFlash2Stats(block_size=self.config.block_size)
         self._start = time.perf_counter()
@@ -306,15 +380,48 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             return input_ids, None
         block = self.config.block_size
         n_draft = min(self.draft_limit, self.max_length - input_ids.shape[1] - 1)
-        n_new = input_ids.shape[1] - 1 - self.committed  # committed tokens not yet in the drafter cache
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise RuntimeError("DFlash 2 needs the target's hidden states from its verification forward")
         if n_draft <= 0:
             return input_ids, None
         t0 = time.perf_counter()
-        features = context_features(
-            model_outputs.hidden_states, self.config.target_layer_ids, n_new, self.config.target_hidden_reduction
-        )  # [1, n_new, n*H]
+        # features of the tokens committed by the last verification (the first positions of its forward)
+        n_fresh = input_ids.shape[1] - 1 - self.committed - sum(f.shape[1] for f in self.pending_features)
+        self.pending_features.append(context_features(
+            model_outputs.hidden_states, self.config.target_layer_ids, n_fresh, self.config.target_hidden_reduction
+        ))  # [1, n_fresh, n*H]
+        match = None
+        if self.ngram is not None:
+            self.ngram.extend(input_ids[0, len(self.ngram.ids) :].tolist())  # only the newly committed tokens
+            match = self.ngram.lookup(min(self.ngram_tokens, self.max_length - input_ids.shape[1] - 1))
+        if self.trace is None and self.rule.ngram_certain(match, n_draft):
+            # no draft can score higher: skip the drafter, its context features wait in pending_features
+            tokens = torch.tensor([match.tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, n]
+            proposal_logits, self.last_proposer = None, "ngram"
+        else:
+            draft = self._draft(input_ids, model_kwargs, n_draft)
+            tokens, proposal_logits, self.last_proposer = draft.tokens.to(input_ids.device), draft.proposal_logits, "dflash2"
+            confidence = draft.confidence[0].tolist()
+            if self.trace is not None:
+                self.trace.append({"position": input_ids.shape[1], "draft": draft.tokens[0].tolist(), "confidence": confidence,
+                                   "ngram": match.tokens if match else [], "match_length": match.match_length if match else 0})
+            if self.rule.use_ngram(match, confidence):
+                tokens = torch.tensor([match.tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, n]
+                self.last_proposer = "ngram"
+        if self.last_proposer == "ngram" and self.temperature > 0:
+            proposal_logits = point_mass_logits(tokens, self.config.vocab_size)  # [1, n, V]: q is the point mass
+        self.last_drafted = tokens.shape[1]
+        self.stats.draft_seconds += time.perf_counter() - t0
+        if self.rollback is not None:
+            self.rollback.begin_step(model_kwargs.get("past_key_values") if model_kwargs else model_outputs.past_key_values)
+        return torch.cat([input_ids, tokens], dim=1), proposal_logits
+
+    def _draft(self, input_ids, model_kwargs, n_draft: int) -> Draft:
+        """One drafter forward over the pending context features + [anchor, MASK * (B-1)]; the selector's path."""
+        block = self.config.block_size
+        features = torch.cat(self.pending_features, dim=1)  # [1, n_new, n*H]
+        self.pending_features = []
+        n_new = features.shape[1]
         anchor = input_ids[:, -1]  # [1]
         block_ids = torch.cat([input_ids[:, -1:], input_ids.new_full((1, block - 1), self.config.mask_token_id)], dim=1)
         position_ids = torch.arange(self.committed, self.committed + n_new + block, device=input_ids.device)[None]
@@ -330,17 +437,12 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         )
         self.cache.crop(-block)  # keep the context K/V only
         self.committed += n_new
-        draft = propose(self.drafter, self.lm_head, out.last_hidden_state[:, 1 : 1 + n_draft], anchor, self.temperature)
-        self.last_drafted = n_draft
-        self.stats.draft_seconds += time.perf_counter() - t0
-        if self.rollback is not None:
-            self.rollback.begin_step(model_kwargs.get("past_key_values") if model_kwargs else model_outputs.past_key_values)
-        return torch.cat([input_ids, draft.tokens.to(input_ids.device)], dim=1), draft.proposal_logits
+        return propose(self.drafter, self.lm_head, out.last_hidden_state[:, 1 : 1 + n_draft], anchor, self.temperature)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.last_drafted:
-            self.stats.record_step(self.last_drafted, int(num_matches))
-            if self.adaptive:  # transformers' heuristic: +2 after a fully accepted draft, -1 otherwise
+            self.stats.record_step(self.last_drafted, int(num_matches), self.last_proposer)
+            if self.adaptive and self.last_proposer == "dflash2":  # transformers' heuristic: +2 after a fully accepted draft, -1 otherwise
                 full = int(num_matches) == self.last_drafted
                 self.draft_limit = min(self.config.block_size - 1, self.draft_limit + 2) if full else max(1, self.draft_limit - 1)
         if self.rollback is not None:  # transformers already cropped K/V, indexer keys and conv states
@@ -377,9 +479,8 @@ def install_assisted_generation_hook() -> None:
         config = kwargs.get("generation_config", args[0] if args else None)
         builtin = config is not None and (
             config.speculation_type == "dflash"  # transformers' own DFlash-1 path (argmax drafting)
-            or config.prompt_lookup_num_tokens is not None
             or config.assistant_early_exit is not None
-        )
+        )  # prompt_lookup_num_tokens with a DFlash 2 drafter sets the hybrid's n-gram length (ngram_policy)
         if drafter is None or not is_dflash2_drafter(drafter) or builtin:
             return original_get(self, *args, **kwargs)
         check_transformers_version()
@@ -445,4 +546,5 @@ __all__ = [
     "dflash2_generate",
     "install_assisted_generation_hook",
     "propose",
+    "trace_proposals",
 ]

@@ -333,11 +333,14 @@ class SelectorWalk:
     candidates: [b, n, K] candidate ids per position
     log_q:      [b, n, K] log-probabilities of the proposal over the candidates (the chosen
                 predecessor is the path's own previous token); at temperature 0 a one-hot.
+    confidence: [b, n] softmax(S) (temperature 1) of the chosen candidate: how sure the walk is,
+                read by the hybrid n-gram rule to estimate the draft's accepted length.
     """
 
     tokens: torch.Tensor
     candidates: torch.Tensor
     log_q: torch.Tensor
+    confidence: torch.Tensor
 
     def full_vocab_logits(self, vocab_size: int) -> torch.Tensor:
         """log q scattered over the vocabulary (-inf outside the candidates): softmax gives q exactly."""
@@ -381,7 +384,7 @@ class DFlash2CandidateSelector(nn.Module):
             top_ids = vocab_ids[top_ids]  # [b, n, K] sub-vocabulary columns -> token ids
         gated = self.hidden_projection(hidden).float()  # [b, n, R]
         prev = anchor_ids
-        tokens, log_qs = [], []
+        tokens, log_qs, confidences = [], [], []
         for t in range(logits.shape[1]):
             s = self.scores(gated[:, t], top_values[:, t], top_ids[:, t], prev)  # [b, K]
             if temperature > 0:
@@ -393,7 +396,8 @@ class DFlash2CandidateSelector(nn.Module):
             prev = top_ids[:, t].gather(-1, pick[:, None]).squeeze(-1)  # [b]
             tokens.append(prev)
             log_qs.append(log_q)
-        return SelectorWalk(torch.stack(tokens, 1), top_ids, torch.stack(log_qs, 1))
+            confidences.append(F.softmax(s, dim=-1).gather(-1, pick[:, None]).squeeze(-1))  # [b]
+        return SelectorWalk(torch.stack(tokens, 1), top_ids, torch.stack(log_qs, 1), torch.stack(confidences, 1))
 
 
 class DraftVocabHead(nn.Module):

@@ -9,7 +9,11 @@ own ``generate``:
 * ``pld``: prompt lookup decoding (``prompt_lookup_num_tokens=10``)
 * ``dflash1``: the same drafter through transformers' built-in ``speculation_type="dflash"``
   (argmax drafting, no selector: the DFlash-1 way)
-* ``dflash2``: ``target.generate(..., assistant_model=drafter)`` (block draft, top-K, selector walk)
+* ``dflash2``: ``target.generate(..., assistant_model=drafter, prompt_lookup_num_tokens=0)`` (block
+  draft, top-K, selector walk; the hybrid n-gram proposer off)
+* ``dflash2+ngram``: the plain call as a user makes it, ``target.generate(..., assistant_model=drafter)``:
+  the hybrid rule verifies the block draft or a prompt-lookup continuation each step (ngram_dflash2.py);
+  ``dflash2+ngram-kN`` (``--ngram-tokens N``) with n-gram continuations of up to N tokens
 * ``dflash2-fullvocab``: the same with the full LM head instead of the drafter's draft vocabulary
   (``draft_vocab_ids``; run only when the drafter has one): what the sub-vocabulary saves and costs
 * ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
@@ -37,13 +41,14 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2-fullvocab")
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-fullvocab")
 
 
 def method_rank(method: str) -> tuple[int, int]:
-    """Table order: METHODS, then ``dflash2-dN`` by N."""
-    if method.startswith("dflash2-d"):
-        return len(METHODS), int(method[len("dflash2-d"):])
+    """Table order: METHODS, then ``dflash2-dN`` and ``dflash2+ngram-kN`` by N."""
+    for i, prefix in enumerate(("dflash2-d", "dflash2+ngram-k")):
+        if method.startswith(prefix):
+            return len(METHODS) + i, int(method[len(prefix):])
     return METHODS.index(method), 0
 
 
@@ -99,6 +104,10 @@ def run_method(method, target, drafter, inputs, gen_kw, counter):
     elif method.startswith("dflash2"):
         if method.startswith("dflash2-d"):
             kw["num_assistant_tokens"] = int(method[len("dflash2-d"):])
+        if method.startswith("dflash2+ngram-k"):
+            kw["prompt_lookup_num_tokens"] = int(method[len("dflash2+ngram-k"):])
+        elif not method.startswith("dflash2+ngram"):
+            kw["prompt_lookup_num_tokens"] = 0  # the block draft alone
         head = full_vocabulary(drafter) if method == "dflash2-fullvocab" else contextlib.nullcontext()
         with head, gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
@@ -121,6 +130,7 @@ def run_method(method, target, drafter, inputs, gen_kw, counter):
         "acceptance_length": (new - 1) / forwards if new > 1 else 1.0,
         "per_position_acceptance": stats.per_position_acceptance if stats else None,
         "accept_lengths": stats.accept_lengths if stats else None,
+        "per_proposer": stats.as_dict()["per_proposer"] if stats else None,
     }
 
 
@@ -171,6 +181,12 @@ def summarize(results):
     for (dtype, temp, pset, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], method_rank(kv[0][3]))):
         ratios = [r["tok_per_s"] / base[(dtype, temp, pset, r["prompt_id"])] for r in rs]
         checked = [r["same_as_target"] for r in rs if "same_as_target" in r]
+        proposers = {}  # pooled over the group's prompts: which proposer each step verified, and its acceptance
+        for r in rs:
+            for name, c in (r.get("per_proposer") or {}).items():
+                mine = proposers.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+                for key in mine:
+                    mine[key] += c[key]
         rows.append({
             "dtype": dtype, "temperature": temp, "prompt_set": pset, "method": method, "prompts": len(rs),
             "median_tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
@@ -178,6 +194,7 @@ def summarize(results):
             "mean_acceptance_length": statistics.mean(r["acceptance_length"] for r in rs),
             "lossless": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampling)",
             "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+            "per_proposer": {k: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)} for k, c in proposers.items()},
             **{k: statistics.median(r[k] for r in rs) for k in ("step_ms", "step_target_forward_ms", "step_draft_ms", "step_overhead_ms")},
         })
     return rows
@@ -248,9 +265,11 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--draft-tokens", nargs="*", type=int, default=[],
                     help="also run DFlash 2 verifying only N drafted tokens per step (method dflash2-dN)")
+    ap.add_argument("--ngram-tokens", nargs="*", type=int, default=[],
+                    help="also run the hybrid with n-gram continuations of up to N tokens (method dflash2+ngram-kN)")
     ap.add_argument("--out", default="docs/bench")
     args = ap.parse_args(argv)
-    args.methods += [f"dflash2-d{n}" for n in args.draft_tokens]
+    args.methods += [f"dflash2-d{n}" for n in args.draft_tokens] + [f"dflash2+ngram-k{n}" for n in args.ngram_tokens]
     if "target" not in args.methods:
         args.methods = ["target", *args.methods]  # speedups and lossless checks need it
     out = Path(args.out)

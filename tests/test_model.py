@@ -356,6 +356,8 @@ def test_logit_transforms():
         (dict(draft_vocab_ids=[1, 2, 2, 3, 4, 5, 6, 7]), "draft_vocab_ids must be distinct"),
         (dict(draft_vocab_ids=list(range(7)) + [VOCAB]), "draft_vocab_ids must be distinct"),
         (dict(draft_vocab_ids=[1, 2, 3]), "fewer than selector_top_k"),
+        (dict(hybrid_ngram={"num_token": 3}), "hybrid_ngram has unknown keys"),
+        (dict(hybrid_ngram={"min_n": 3, "max_n": 2}), "1 <= min_n <= max_n"),
     ],
 )
 def test_config_validation_errors(overrides, message):

@@ -88,14 +88,23 @@ def setup():
 
 
 @pytest.mark.parametrize(
-    "temperature, top_p, repetition_penalty, draft_tokens, draft_vocab",
-    [(1.0, 1.0, 1.0, None, None), (0.7, 0.9, 1.3, None, None), (1.0, 1.0, 1.0, 1, None), (1.0, 1.0, 1.0, None, [0, 1, 3, 4])],
-    ids=["plain", "processors", "one-token-drafts", "draft-vocabulary"],
+    "temperature, top_p, repetition_penalty, draft_tokens, draft_vocab, hybrid",
+    [
+        (1.0, 1.0, 1.0, None, None, None),
+        (0.7, 0.9, 1.3, None, None, None),
+        (1.0, 1.0, 1.0, 1, None, None),
+        (1.0, 1.0, 1.0, None, [0, 1, 3, 4], None),
+        (1.0, 1.0, 1.0, None, None, {"ngram_margin": 100.0}),
+        (0.7, 0.9, 1.3, None, None, {"ngram_margin": 100.0, "min_n": 1, "max_n": 1}),
+    ],
+    ids=["plain", "processors", "one-token-drafts", "draft-vocabulary", "hybrid-ngram", "hybrid-ngram-processors"],
 )
-def test_speculative_sampling_matches_target_distribution(setup, monkeypatch, temperature, top_p, repetition_penalty, draft_tokens, draft_vocab):
+def test_speculative_sampling_matches_target_distribution(setup, monkeypatch, temperature, top_p, repetition_penalty, draft_tokens, draft_vocab, hybrid):
     target, drafter, prompt = setup
     if draft_vocab is not None:  # token 2 is never proposed (q = 0): the residual must carry its mass
         monkeypatch.setattr(drafter.config, "draft_vocab_ids", draft_vocab)
+    if hybrid is not None:  # the n-gram continuation wins whenever there is a match (q = its point mass)
+        monkeypatch.setattr(drafter.config, "hybrid_ngram", hybrid)
     gen_kw = dict(temperature=temperature, top_p=top_p, top_k=0, repetition_penalty=repetition_penalty, pad_token_id=0)
     if draft_tokens is not None:  # num_assistant_tokens: only the first drafted tokens are verified
         gen_kw["num_assistant_tokens"] = draft_tokens
@@ -105,6 +114,8 @@ def test_speculative_sampling_matches_target_distribution(setup, monkeypatch, te
         counts = _sample_counts(target, drafter, prompt, gen_kw, SAMPLES)
     drafted = sum(r.drafted for r in runs)
     assert drafted > 0  # the draft/verify path ran
+    if hybrid is not None:  # both proposers really ran
+        assert all(sum(r.per_proposer.get(p, {}).get("steps", 0) for r in runs) > 0 for p in ("ngram", "dflash2"))
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
 

@@ -128,6 +128,23 @@ def test_greedy_equals_target_generate(stateful, which):
     assert total.rollback_seconds > 0
 
 
+def test_greedy_with_ngram_steps_equals_target_generate(stateful, monkeypatch):
+    """Hybrid n-gram steps propose more tokens than a block (prompt_lookup_num_tokens=9): the rollback
+    replays whatever was verified, so the state stays exact (the recorded accepted counts drive it)."""
+    name, target, random_drafter, *_ = stateful
+    monkeypatch.setattr(random_drafter.config, "hybrid_ngram", {"ngram_margin": 100.0})  # the n-gram wins every match
+    gen = root.generation()
+    g = torch.Generator().manual_seed(11)
+    used = []
+    for n in (3, 6):
+        ids = target.generate(torch.randint(1, VOCAB, (1, n), generator=g), max_new_tokens=30, do_sample=False)  # loops
+        want = target.generate(ids, max_new_tokens=25, do_sample=False)
+        got, stats = gen.dflash2_generate(target, random_drafter, ids, max_new_tokens=25, do_sample=False, prompt_lookup_num_tokens=9)
+        assert torch.equal(got, want), f"{name}: diverged with n-gram steps"
+        used += [length for length, p in zip(stats.accept_lengths, stats.proposers) if p == "ngram"]
+    assert used and max(used) > 1 and stats.rollback_seconds > 0
+
+
 @pytest.mark.parametrize("arch", ["glm5_next", "qwen3_next"])
 def test_sampling_matches_target_distribution(arch):
     """The attention-only targets' chi-square test (test_sampling.py), on a 5-token-vocab stateful target."""

@@ -67,8 +67,9 @@ def test_benchmark_summary_and_table():
 
 
 def test_benchmark_orders_short_draft_methods_after_the_full_block():
-    names = ["dflash2-d10", "dflash2", "target", "dflash2-d2", "pld", "dflash1"]
-    assert sorted(names, key=benchmark.method_rank) == ["target", "pld", "dflash1", "dflash2", "dflash2-d2", "dflash2-d10"]
+    names = ["dflash2-d10", "dflash2+ngram-k12", "dflash2", "target", "dflash2+ngram", "dflash2-d2", "pld", "dflash1"]
+    assert sorted(names, key=benchmark.method_rank) == [
+        "target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-d2", "dflash2-d10", "dflash2+ngram-k12"]
 
 
 def test_learning_curve_chains_consecutive_runs(tmp_path):
@@ -129,7 +130,7 @@ def test_regenerate_offset_extends_data_with_other_prompts_and_refuses_other_set
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the real SmolLM2 tokenizer
         shutil.copy(REPO_ROOT / name, target_dir / name)
     records = [{"messages": [{"role": "user", "content": f"prompt number {i}" + " more" * (i % 5)}]} for i in range(150)]
-    monkeypatch.setattr(regenerate, "sharegpt_prompts", lambda split: [dict(r) for r in records])
+    monkeypatch.setitem(regenerate.TRAINING_PROMPT_SOURCES, "sharegpt-first-turns", lambda: [dict(r) for r in records])
     out = tmp_path / "data-b"
     common = ["--target", str(target_dir), "--out", str(out), "--max-new-tokens", "2", "--batch-size", "16"]
     regenerate.main(common + ["--offset", "64", "--limit", "64"])
@@ -164,3 +165,28 @@ def test_data_stats_counts_loops_per_window():
     assert rep["0-16"] == {"responses": 2, "fraction": round((5 / 13) / 2, 3)}  # loop: 4-grams at 8..12 of 0..12 repeat
     assert rep["16-32"] == {"responses": 2, "fraction": 0.5}  # loop: all repeats; fresh: none
     assert stats["sequences"] == 2 and stats["response_tokens"] == 64 and stats["share_at_max"] == 1.0
+
+
+def test_every_human_turn_is_a_prompt_with_its_history(monkeypatch):
+    convs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                                      {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"},
+                                      {"from": "human", "value": " "}, {"from": "human", "value": "q3"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "orphan answer"}, {"from": "human", "value": "q1"}]},
+    ]
+    monkeypatch.setattr(prompts, "sharegpt_conversations", lambda: convs)
+    monkeypatch.setattr(prompts, "is_dev", lambda cid: False)
+    records = prompts.sharegpt_turn_prompts("train")
+    texts = [[m["content"] for m in r["messages"]] for r in records]
+    # later turns first, then first turns; the empty turn is skipped; "q1" with no history is one prompt
+    assert texts == [["q1", "a1", "q2"], ["q1", "a1", "q2", "a2", "q3"], ["q1"]]
+    assert [r["turn"] for r in records] == [1, 2, 0]
+    assert [m["role"] for m in records[1]["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def test_trim_history_drops_the_oldest_exchanges_to_fit():
+    messages = [{"role": r, "content": c} for r, c in [("user", "aaaa"), ("assistant", "bbbb"), ("user", "cc")]]
+    encode = lambda ms: [len(m["content"]) for m in ms for _ in range(len(m["content"]))]  # 1 token per character
+    assert len(prompts.trim_history(encode, messages, 10)) == 10  # everything fits
+    assert prompts.trim_history(encode, messages, 9) == [2, 2]  # the oldest (question, answer) pair goes
+    assert prompts.trim_history(encode, messages, 1) is None  # even the last question does not fit

@@ -1,0 +1,213 @@
+"""Hybrid drafting: the n-gram (prompt-lookup) proposer beside the block draft stays lossless.
+
+``FORCED`` makes the rule verify the n-gram continuation whenever one exists, so every test
+below really runs n-gram steps (asserted through ``DFlash2Stats.proposers``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, root, tiny_drafter, tiny_target
+
+FORCED = {"ngram_margin": 100.0}  # the n-gram wins every step that has a match
+
+
+@pytest.fixture()
+def forced(monkeypatch):
+    def force(drafter):
+        monkeypatch.setattr(drafter.config, "hybrid_ngram", dict(FORCED))
+        return drafter
+
+    return force
+
+
+def looping_prompt(target, n_prompt=6, n_loop=40, seed=3):
+    """A prompt that ends in the target's own greedy text: tiny random targets fall into cycles,
+    so the prompt already holds the loop the target is about to repeat (n-gram matches at once)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 2, (1, n_prompt), generator=g)
+    return target.generate(ids, do_sample=False, max_new_tokens=n_loop, eos_token_id=None, pad_token_id=0)
+
+
+def _generate(gen_module, target, drafter, ids, prompt_lookup_num_tokens=None, max_matching_ngram_size=None, **kw):
+    """The speculative call (with the hybrid's knobs) equals the target's own greedy call (without them)."""
+    ref = target.generate(ids, do_sample=False, pad_token_id=0, **kw)
+    knobs = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size}
+    kw.update({k: v for k, v in knobs.items() if v is not None})
+    out, stats = gen_module.dflash2_generate(target, drafter, ids, do_sample=False, pad_token_id=0, **kw)
+    assert torch.equal(ref, out), (ref.tolist(), out.tolist())
+    return out, stats
+
+
+# ---- the index --------------------------------------------------------------------------------------------------
+
+
+def test_ngram_index_finds_the_latest_longest_match():
+    ngram = root._sibling("ngram_dflash2")
+    index = ngram.NgramIndex(min_n=1, max_n=3)
+    index.extend([5, 6, 7, 8, 5, 6, 9, 5, 6])
+    match = index.lookup(4)  # suffix (9, 5, 6) never seen before; (5, 6) last seen at 4..5, followed by 9, 5, 6
+    assert (match.match_length, match.tokens) == (2, [9, 5, 6, 9])  # past the context's end: the period repeats
+    index.extend([7])  # (5, 6, 7) seen at 0..2, followed by 8, 5, 6, 9
+    assert (index.lookup(3).match_length, index.lookup(3).tokens) == (3, [8, 5, 6])
+    index.extend([7, 7])
+    assert index.lookup(4).tokens == [7, 7, 7, 7]  # a run: (7, 7) last seen one token back
+    assert ngram.NgramIndex(1, 2).lookup(3) is None  # empty context
+    with pytest.raises(ValueError, match="min_n"):
+        ngram.NgramIndex(3, 2)
+
+
+def test_ngram_index_is_incremental_and_equals_a_full_scan():
+    ngram = root._sibling("ngram_dflash2")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4, (300,), generator=g).tolist()
+    index = ngram.NgramIndex(1, 3)
+    for end in range(1, len(ids)):
+        index.extend(ids[len(index.ids) : end])
+        got = index.lookup(5)
+        want = None  # brute force: longest n, latest earlier occurrence
+        for n in range(min(3, end), 0, -1):
+            starts = [s for s in range(end - n) if ids[s : s + n] == ids[end - n : end]]
+            if starts:
+                period = end - (starts[-1] + n)  # a continuation reaching the context's end repeats its period
+                want = (n, [ids[starts[-1] + n + i % period] for i in range(5)])
+                break
+        assert (None if got is None else (got.match_length, got.tokens)) == want
+
+
+def test_rule_prefers_the_higher_expected_accepted_length():
+    ngram = root._sibling("ngram_dflash2")
+    rule = ngram.HybridRule([0.0, 0.3, 0.9], drafter_scale=1.0, ngram_margin=0.0)
+    long_match = ngram.NgramMatch([1, 2, 3, 4], 2)
+    short_match = ngram.NgramMatch([1, 2, 3, 4], 1)
+    assert rule.use_ngram(long_match, [0.2, 0.1, 0.1])  # 0.9+0.81+... > 0.2+0.02+...
+    assert not rule.use_ngram(short_match, [0.9, 0.9, 0.9])
+    assert not rule.use_ngram(None, [0.0]) and not rule.use_ngram(ngram.NgramMatch([], 2), [0.0])
+
+
+# ---- lossless greedy --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_greedy_equals_target_with_ngram_steps(arch, gen_module, forced):
+    target = tiny_target(arch)
+    drafter = forced(tiny_drafter(target))
+    used = 0
+    for seed in range(3):
+        ids = looping_prompt(target, seed=seed)[:, :20]
+        for new in (1, 9, 33):
+            _, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=new, eos_token_id=None)
+            used += stats.proposers.count("ngram")
+    assert used > 0
+
+
+def test_default_rule_is_lossless_and_uses_both_proposers(accepting, gen_module):
+    target, drafter, prompts = accepting  # a confident drafter: the default rule mostly keeps its drafts
+    for p in prompts:
+        for new in (5, 23, 50):
+            _generate(gen_module, target, drafter, torch.tensor([p]), max_new_tokens=new, eos_token_id=None)
+    unsure = tiny_drafter(target)  # a random drafter (low confidence) on looping text: the n-gram wins there
+    proposers = set()
+    for seed in range(3):
+        ids = looping_prompt(target, seed=seed)
+        _, stats = _generate(gen_module, target, unsure, ids[:, : 6 + 4 * seed], max_new_tokens=40, eos_token_id=None)
+        proposers |= set(stats.proposers)
+    assert proposers == {"dflash2", "ngram"}
+
+
+def test_match_runs_past_the_end_of_the_block(gen_module, forced):
+    target = tiny_target("llama")
+    drafter = forced(tiny_drafter(target))
+    block = drafter.config.block_size
+    ids = looping_prompt(target)
+    _, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=40, eos_token_id=None, prompt_lookup_num_tokens=block + 4)
+    ngram_lengths = [n for n, p in zip(stats.accept_lengths, stats.proposers) if p == "ngram"]
+    assert max(ngram_lengths) > block  # more tokens in one step than a block draft can propose
+
+
+def test_match_at_the_very_start_uses_the_prompt_only(gen_module, forced):
+    target = tiny_target("llama")
+    drafter = forced(tiny_drafter(target))
+    ids = looping_prompt(target)
+    _, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=12, eos_token_id=None)
+    assert stats.proposers[0] == "ngram" and stats.accept_lengths[0] > 1  # the first step copies from the prompt
+
+
+def test_eos_inside_an_ngram_continuation(gen_module, forced):
+    target = tiny_target("llama")
+    drafter = forced(tiny_drafter(target))
+    ids = looping_prompt(target, seed=0)  # a loop of period 5
+    free = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)[0, ids.shape[1] :].tolist()
+    # a token the n-gram copies from the prompt, not the first generated one (that comes from the prefill)
+    eos = next(t for pos, t in enumerate(free) if pos >= 2 and free.index(t) == pos and t in ids[0].tolist())
+    out, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=30, eos_token_id=eos)
+    assert out[0, -1].item() == eos and out.shape[1] - ids.shape[1] == free.index(eos) + 1
+    assert "ngram" in stats.proposers
+
+
+@pytest.mark.parametrize("new", [1, 2, 3, 5, 8, 13])
+def test_max_new_tokens_reached_mid_continuation(gen_module, forced, new):
+    target = tiny_target("llama")
+    drafter = forced(tiny_drafter(target))
+    ids = looping_prompt(target)
+    out, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=new, eos_token_id=None, prompt_lookup_num_tokens=10)
+    assert out.shape[1] == ids.shape[1] + new
+    # the prefill makes one token and the last one is always the target's own: n-gram steps from 3 on
+    assert ("ngram" in stats.proposers) == (new >= 3)
+
+
+def test_prompt_lookup_knobs_set_the_hybrid(gen_module, forced):
+    target = tiny_target("llama")
+    drafter = forced(tiny_drafter(target))
+    ids = looping_prompt(target)
+    _, off = _generate(gen_module, target, drafter, ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=0)
+    assert set(off.proposers) == {"dflash2"}
+    _, on = _generate(gen_module, target, drafter, ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
+    assert "ngram" in on.proposers and on.per_proposer["ngram"]["drafted"] <= 3 * on.proposers.count("ngram")
+    for bad in ({"prompt_lookup_num_tokens": -1}, {"max_matching_ngram_size": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            target.generate(ids, assistant_model=drafter, max_new_tokens=3, **bad)
+
+
+def test_stats_report_each_proposer(gen_module, forced):
+    target = tiny_target("llama")
+    drafter = forced(tiny_drafter(target))
+    ids = looping_prompt(target)
+    _, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=30, eos_token_id=None)
+    d = stats.as_dict()
+    assert len(d["proposers"]) == d["steps"]
+    assert sum(c["steps"] for c in d["per_proposer"].values()) == d["steps"]
+    assert sum(c["accepted"] for c in d["per_proposer"].values()) == d["accepted"]
+
+
+def test_drafts_after_skipped_drafter_steps_equal_training_time_drafts(accepting, gen_module):
+    """Steps where the n-gram is certain skip the drafter; the context features of the tokens they
+    commit wait and enter the next draft. Those drafts equal training's (one forward, all anchors)."""
+    from dflash2_tools import train
+
+    target, drafter, prompts = accepting  # the default rule: certain on 4-token matches only
+    ids = torch.tensor([prompts[2][:9]])  # new text first (the drafter drafts), then the target loops (skips)
+    drafts, original = [], gen_module.DFlash2CandidateGenerator._draft
+
+    def spy(self, input_ids, *args):
+        draft = original(self, input_ids, *args)
+        drafts.append((input_ids.shape[1] - 1, draft.tokens[0].tolist()))
+        return draft
+
+    gen_module.DFlash2CandidateGenerator._draft = spy
+    try:
+        out, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=60, eos_token_id=None)
+    finally:
+        gen_module.DFlash2CandidateGenerator._draft = original
+    skipped = len(stats.proposers) - len(drafts)
+    assert skipped > 0 and len(drafts) > 1, (skipped, len(drafts))
+    cfg = drafter.config
+    anchors = torch.tensor([[a for a, _ in drafts]])  # [1, n]
+    with torch.no_grad():
+        feats = train.target_features(target, out, torch.tensor([out.shape[1]]), cfg.target_layer_ids, cfg.target_hidden_reduction)
+        hidden, logits, _, anchor_ids = train.blocks_forward(drafter, target, out, torch.tensor([out.shape[1]]), anchors,
+                                                             torch.ones_like(anchors, dtype=torch.bool), feats)
+        walk = drafter.candidate_selector.walk(hidden[0], logits[0], anchor_ids[0])  # [n, B-1]
+    for i, (_, drafted) in enumerate(drafts):
+        assert walk.tokens[i, : len(drafted)].tolist() == drafted
