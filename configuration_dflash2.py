@@ -50,8 +50,10 @@ HYBRID_NGRAM_DEFAULTS = {
     "min_n": 1,
     "max_n": 4,
     "ngram_acceptance": [0.0, 0.378, 0.672, 0.772, 0.928],
-    "drafter_scale": 0.8,
-    "ngram_margin": 0.0,
+    "drafter_scale": 1.2,
+    "ngram_margin": -0.5,
+    "drafter_acceptance": [0.388, 0.177, 0.086, 0.034, 0.024, 0.002, 0.002],
+    "costs": None,  # None: by device and dtype (generation_dflash2.default_step_costs)
 }
 
 
@@ -95,8 +97,9 @@ class DFlash2Config(PreTrainedConfig):
             drafted. Top-level key only: engines that do not know it draft from the full head.
         hybrid_ngram (`dict`, optional): the prompt-lookup proposer beside the block draft
             (``ngram_dflash2.py``): ``num_tokens`` (continuation length, 0 = off), ``min_n``,
-            ``max_n``, and the calibrated rule ``ngram_acceptance`` (per match length),
-            ``drafter_scale``, ``ngram_margin``. Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
+            ``max_n``, the calibrated rule ``ngram_acceptance`` (per match length),
+            ``drafter_scale``, ``ngram_margin``, ``drafter_acceptance`` (mean P(position i accepted)),
+            and ``costs`` (a step's costs in one-token forwards; None: by device and dtype). Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
             Per call, transformers' own ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``
             override ``num_tokens`` / ``max_n``. Top-level key only (engines ignore it).
 
@@ -273,6 +276,9 @@ class DFlash2Config(PreTrainedConfig):
             h = self.hybrid_settings()
             if h["num_tokens"] < 0 or not 1 <= h["min_n"] <= h["max_n"]:
                 raise ValueError(f"hybrid_ngram needs num_tokens >= 0 and 1 <= min_n <= max_n, got {h}")
+            costs = h["costs"]
+            if costs is not None and (set(costs) != {"multi_token_step", "per_token", "draft"} or min(costs.values()) < 0):
+                raise ValueError(f"hybrid_ngram costs must be None (by device) or non-negative multi_token_step, per_token and draft, got {costs}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
 

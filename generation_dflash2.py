@@ -38,7 +38,7 @@ from packaging import version
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .ngram_dflash2 import HybridRule, NgramIndex
+from .ngram_dflash2 import HybridRule, NgramIndex, StepCosts
 from .rollback_dflash2 import LinearStateRollback, check_rollback_supported
 
 TESTED_TRANSFORMERS = (version.parse("5.23.0"), version.parse("5.24.0"))  # [min, max)
@@ -77,7 +77,7 @@ class DFlash2Stats:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     rollback_seconds: float = 0.0  # stateful targets: snapshot + replay of linear-attention states
-    proposers: list[str] = field(default_factory=list)  # per step: "dflash2" (block draft) or "ngram" (prompt lookup)
+    proposers: list[str] = field(default_factory=list)  # per step: "dflash2" (block draft), "ngram" (prompt lookup), "none" (nothing verified)
     per_proposer: dict = field(default_factory=dict)  # proposer -> {"steps", "drafted", "accepted"}
 
     def __post_init__(self):
@@ -331,6 +331,38 @@ def ngram_policy(generation_config, config) -> tuple[int, int, int]:
     return num_tokens, min(settings["min_n"], max_n), max_n
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
+    except OSError:  # not Linux: assume emulated bf16
+        return False
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def default_step_costs(param: torch.Tensor) -> dict:
+    """What a decoding step costs on this device, in one-token target forwards (HybridRule's cost model).
+
+    Measured with SmolLM2-135M on 2-core CPUs (docs/evaluation.md): fp32 on an AVX2 EPYC, a
+    1-token forward 59 ms and 2 / 4 / 8 / 16 tokens 1.69 / 1.77 / 2.10 / 2.16 of it (the GEMM path
+    of a multi-token forward costs more than the GEMV path of one token), the draft ~0.25; native
+    bf16 (AVX-512 bf16) an 8-token verification 55-60 ms against 51-56 ms, the draft 10-11 ms.
+    Emulated bf16 is slow for every multi-token forward. On a GPU verifying a block costs about one
+    decoding step. Set ``hybrid_ngram["costs"]`` to override.
+    """
+    if param.device.type != "cpu":
+        return {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.1}
+    if param.dtype == torch.float32:
+        return {"multi_token_step": 0.65, "per_token": 0.035, "draft": 0.25}
+    if cpu_has_native_bf16():
+        return {"multi_token_step": 0.05, "per_token": 0.005, "draft": 0.2}
+    return {"multi_token_step": 1.0, "per_token": 0.3, "draft": 0.5}
+
+
 def point_mass_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log q for a deterministic proposal: 0 at each proposed token, -inf elsewhere. [b, n] -> [b, n, V]"""
     out = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)  # [b, n, V]
@@ -355,8 +387,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
         self.ngram = NgramIndex(min_n, max_n) if self.ngram_tokens else None
         settings = self.config.hybrid_settings()
-        self.rule = HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"])
-        self.last_proposer = "dflash2"
+        costs = settings["costs"] if settings["costs"] is not None else default_step_costs(next(target.parameters()))
+        self.rule = HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"],
+                               settings["drafter_acceptance"], StepCosts(**costs))
+        self.last_choice, self.last_rates = None, []
+        self.last_proposer = None  # the proposal verified by the coming forward (None: the prefill, or no step)
         self.trace = _TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
         self.cache = DynamicCache()  # context K/V only; full layers (the sliding window is applied by the mask)
         self.committed = 0  # tokens whose target features are in the drafter cache
@@ -378,7 +413,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.last_drafted = 0
         if is_first_iteration:  # the target's prefill comes first: it yields the prompt's features
             return input_ids, None
-        block = self.config.block_size
         n_draft = min(self.draft_limit, self.max_length - input_ids.shape[1] - 1)
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise RuntimeError("DFlash 2 needs the target's hidden states from its verification forward")
@@ -394,24 +428,28 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         if self.ngram is not None:
             self.ngram.extend(input_ids[0, len(self.ngram.ids) :].tolist())  # only the newly committed tokens
             match = self.ngram.lookup(min(self.ngram_tokens, self.max_length - input_ids.shape[1] - 1))
-        if self.trace is None and self.rule.ngram_certain(match, n_draft):
-            # no draft can score higher: skip the drafter, its context features wait in pending_features
-            tokens = torch.tensor([match.tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, n]
-            proposal_logits, self.last_proposer = None, "ngram"
+        if self.ngram is not None and self.trace is None and not self.rule.run_drafter(match, n_draft):
+            # a draft is not worth its forward: the n-gram or a plain step; the context features wait
+            choice, tokens, proposal_logits, rates = self.rule.choose(match, None), None, None, []
         else:
             draft = self._draft(input_ids, model_kwargs, n_draft)
-            tokens, proposal_logits, self.last_proposer = draft.tokens.to(input_ids.device), draft.proposal_logits, "dflash2"
+            tokens, proposal_logits = draft.tokens.to(input_ids.device), draft.proposal_logits
             confidence = draft.confidence[0].tolist()
             if self.trace is not None:
                 self.trace.append({"position": input_ids.shape[1], "draft": draft.tokens[0].tolist(), "confidence": confidence,
                                    "ngram": match.tokens if match else [], "match_length": match.match_length if match else 0})
-            if self.rule.use_ngram(match, confidence):
-                tokens = torch.tensor([match.tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, n]
-                self.last_proposer = "ngram"
-        if self.last_proposer == "ngram" and self.temperature > 0:
-            proposal_logits = point_mass_logits(tokens, self.config.vocab_size)  # [1, n, V]: q is the point mass
-        self.last_drafted = tokens.shape[1]
+            choice, rates = self.rule.choose(match, confidence), self.rule.drafter_rates(confidence)
+        if choice.proposer == "ngram":
+            tokens = torch.tensor([match.tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, n]
+            proposal_logits = point_mass_logits(tokens, self.config.vocab_size) if self.temperature > 0 else None  # q: point mass
+            rates = self.rule.ngram_rates(match)
+        self.last_choice, self.last_rates = choice, rates
+        self.last_proposer, self.last_drafted = choice.proposer, choice.length
         self.stats.draft_seconds += time.perf_counter() - t0
+        if choice.length == 0:  # nothing worth its verification cost: a plain one-token step
+            return input_ids, None
+        tokens = tokens[:, : choice.length]  # [1, L]
+        proposal_logits = None if proposal_logits is None else proposal_logits[:, : choice.length]  # [1, L, V]
         if self.rollback is not None:
             self.rollback.begin_step(model_kwargs.get("past_key_values") if model_kwargs else model_outputs.past_key_values)
         return torch.cat([input_ids, tokens], dim=1), proposal_logits
@@ -440,9 +478,12 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         return propose(self.drafter, self.lm_head, out.last_hidden_state[:, 1 : 1 + n_draft], anchor, self.temperature)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
+        proposer, self.last_proposer = self.last_proposer, None
+        if proposer is not None:  # a decoding step (not the prefill); "none": nothing was worth verifying
+            self.stats.record_step(self.last_drafted, int(num_matches), proposer)
+            self.rule.record(self.last_choice, self.last_rates, int(num_matches))
         if self.last_drafted:
-            self.stats.record_step(self.last_drafted, int(num_matches), self.last_proposer)
-            if self.adaptive and self.last_proposer == "dflash2":  # transformers' heuristic: +2 after a fully accepted draft, -1 otherwise
+            if self.adaptive and proposer == "dflash2":  # transformers' heuristic: +2 after a fully accepted draft, -1 otherwise
                 full = int(num_matches) == self.last_drafted
                 self.draft_limit = min(self.config.block_size - 1, self.draft_limit + 2) if full else max(1, self.draft_limit - 1)
         if self.rollback is not None:  # transformers already cropped K/V, indexer keys and conv states

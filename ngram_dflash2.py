@@ -9,11 +9,12 @@ drafter's block draft stands. Each step:
        a dict from each n-gram to the end of its latest earlier occurrence)
     2. look up the context's last n tokens, n from ``max_n`` down to ``min_n``: the longest
        match gives a continuation of up to ``num_tokens`` tokens
-    3. score both proposals by their expected accepted length: the drafter's from its
-       per-position confidences, the n-gram's from its match length (tables calibrated on
-       data, ``python -m dflash2_tools.calibrate_hybrid``); verify the higher-scoring one.
-       When the n-gram beats even a fully confident draft, the drafter forward is skipped
-       (its context features wait for the next draft)
+    3. estimate per-token acceptance of both proposals: the drafter's from its per-position
+       confidences, the n-gram's from its match length (calibrated on data,
+       ``python -m dflash2_tools.calibrate_hybrid``); verify the proposal prefix with the most
+       expected tokens per unit of verification cost (HybridRule). When the n-gram beats even a
+       fully confident draft, the drafter forward is skipped (its context features wait for
+       the next draft)
 
 The rule reads only the committed context and this step's draft, so the proposal is fixed
 before the target verifies it: q is the point mass on an n-gram token and the selector's
@@ -65,35 +66,105 @@ class NgramIndex:
 
 
 @dataclass
-class HybridRule:
-    """Expected accepted length of each proposal; the larger one is verified.
+class Proposal:
+    proposer: str  # "dflash2" (the block draft), "ngram", or "none" (a plain one-token step)
+    length: int  # how many of its tokens to verify
 
-    drafter: sum_i prod_{j<=i} min(1, drafter_scale * c_j), c_j the selector's (temperature-1)
-    probability of its own pick at position j. n-gram: sum_i a^i with a = ``ngram_acceptance[m]``
-    for match length m (the last entry for longer matches). ``ngram_margin`` is added to the
-    n-gram's score (negative: prefer the drafter on ties).
+
+@dataclass
+class StepCosts:
+    """Costs in one-token target forwards: verifying L >= 1 drafted tokens costs
+    ``1 + multi_token_step + per_token * L`` (a plain step costs 1); a drafter forward ``draft``."""
+
+    multi_token_step: float = 0.0
+    per_token: float = 0.0
+    draft: float = 0.0
+
+    def verify(self, length: int) -> float:
+        return 1.0 + (self.multi_token_step + self.per_token * length if length else 0.0)
+
+
+@dataclass
+class HybridRule:
+    """Which proposal to verify, and how much of it: the most expected tokens per unit of time.
+
+    Per-token acceptance estimates: the draft's ``min(1, drafter_scale * c_j)`` with ``c_j`` the
+    selector's (temperature-1) probability of its pick at position j; the n-gram's
+    ``ngram_acceptance[m]`` for match length m (the last entry for longer matches), the same at
+    every position. Verifying the first L tokens commits ``1 + f * E_L`` tokens in expectation
+    (``E_L = sum_{i<=L} prod_{j<=i} a_j``; ``f`` the proposer's running ratio of accepted to
+    predicted tokens in this call, which pulls the estimates to what this text and temperature
+    give) and costs ``costs.verify(L)``. On a GPU verification is nearly free (verify everything);
+    on a compute-bound CPU a multi-token forward costs more than a one-token one, so unlikely
+    tails are cut and a step with no promising proposal verifies nothing. Before drafting, the
+    drafter runs only when its calibrated mean acceptance (``drafter_acceptance``: P(position i
+    accepted)) promises more per cost, its own forward included, than the n-gram or a plain step.
+    The n-gram wins when its value plus ``ngram_margin`` beats the draft's.
     """
 
     ngram_acceptance: list[float]
     drafter_scale: float
     ngram_margin: float
+    drafter_acceptance: list[float]
+    costs: StepCosts
+    prior_tokens: float = 8.0  # strength of the calibration against this call's own outcomes
+    outcomes: dict = None  # proposer -> [accepted, predicted] in this call
 
-    def drafter_score(self, confidences: list[float]) -> float:
-        score, run = 0.0, 1.0
-        for c in confidences:
-            run *= min(1.0, self.drafter_scale * c)
-            score += run
-        return score
+    def __post_init__(self):
+        self.outcomes = {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0]}
 
-    def ngram_score(self, match: NgramMatch) -> float:
+    def factor(self, proposer: str) -> float:
+        accepted, predicted = self.outcomes[proposer]
+        return (self.prior_tokens + accepted) / (self.prior_tokens + predicted)
+
+    def record(self, proposal: Proposal, rates: list[float], accepted: int) -> None:
+        """After verification: accepted tokens against the estimate, for ``factor``."""
+        if proposal.proposer in self.outcomes and proposal.length:
+            run, predicted = 1.0, 0.0
+            for a in rates[: proposal.length]:
+                run *= a
+                predicted += run
+            self.outcomes[proposal.proposer][0] += accepted
+            self.outcomes[proposal.proposer][1] += predicted
+
+    def _best(self, rates: list[float], factor: float = 1.0, extra_cost: float = 0.0) -> tuple[float, int]:
+        """(expected tokens per cost, length) of the best prefix of a proposal (length 0: verify none of it)."""
+        best, length, expected, run = 1.0 / (1.0 + extra_cost), 0, 0.0, 1.0
+        for i, a in enumerate(rates):
+            run *= a
+            expected += run
+            value = (1.0 + factor * expected) / (self.costs.verify(i + 1) + extra_cost)
+            if value > best + 1e-9 or (value >= best - 1e-9 and self.costs.verify(i + 1) == 1.0):
+                best, length = value, i + 1
+        return best, length
+
+    def drafter_rates(self, confidences: list[float]) -> list[float]:
+        return [min(1.0, self.drafter_scale * c) for c in confidences]
+
+    def ngram_rates(self, match: NgramMatch) -> list[float]:
         table = self.ngram_acceptance
-        a = table[min(match.match_length, len(table) - 1)]
-        return sum(a ** (i + 1) for i in range(len(match.tokens))) + self.ngram_margin
+        return [table[min(match.match_length, len(table) - 1)]] * len(match.tokens)
 
-    def ngram_certain(self, match: NgramMatch | None, n_draft: int) -> bool:
-        """The n-gram wins whatever the draft says (its score beats a draft with every confidence 1):
-        the drafter forward can be skipped this step."""
-        return bool(match and match.tokens) and self.ngram_score(match) > self.drafter_score([1.0] * n_draft)
+    def _ngram_value(self, match: NgramMatch | None) -> tuple[float, int]:
+        if not (match and match.tokens):
+            return 1.0, 0
+        return self._best(self.ngram_rates(match), self.factor("ngram"))
 
-    def use_ngram(self, match: NgramMatch | None, confidences: list[float]) -> bool:
-        return bool(match and match.tokens) and self.ngram_score(match) > self.drafter_score(confidences)
+    def run_drafter(self, match: NgramMatch | None, n_draft: int) -> bool:
+        """Is a draft worth its forward this step, judged by the drafter's mean acceptance?"""
+        cumulative = self.drafter_acceptance[:n_draft]
+        rates = [p / q if q > 0 else 0.0 for p, q in zip(cumulative, [1.0, *cumulative])]
+        expected, _ = self._best(rates, self.factor("dflash2"), extra_cost=self.costs.draft)
+        n_value, _ = self._ngram_value(match)
+        return expected > max(1.0, n_value + (self.ngram_margin if match and match.tokens else 0.0))
+
+    def choose(self, match: NgramMatch | None, confidences: list[float] | None) -> Proposal:
+        """The proposal to verify; ``confidences`` None when the drafter did not run this step."""
+        value, choice = 1.0, Proposal("none", 0)
+        if confidences is not None:
+            value, length = self._best(self.drafter_rates(confidences), self.factor("dflash2"))
+            choice = Proposal("dflash2", length) if length else choice
+        n_value, n_length = self._ngram_value(match)
+        if n_length and n_value + self.ngram_margin > value:
+            choice = Proposal("ngram", n_length)
+        return choice

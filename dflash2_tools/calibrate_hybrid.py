@@ -1,6 +1,6 @@
 """Calibrate the hybrid n-gram rule on data: which proposal to verify at each step.
 
-    python -m dflash2_tools.calibrate_hybrid --prompt-sets sharegpt-train humaneval champ --offset 20 --limit 6
+    python -m dflash2_tools.calibrate_hybrid --prompt-sets sharegpt-train humaneval champ --offset 20 --limit 6 --out docs/hybrid/calibration.json
 
 Greedy generation with the block draft verified at every step, while the n-gram proposer
 runs beside it (``trace_proposals``). The target's greedy output is fixed, so after the call
@@ -9,8 +9,16 @@ the target actually produced from that position. From these steps:
 
 * ``ngram_acceptance[m]``: per-token acceptance of an n-gram continuation with match length m
   (geometric MLE: accepted tokens / (accepted tokens + first rejections));
+* ``drafter_acceptance``: the block draft's mean P(position i accepted), which decides before
+  drafting whether a draft is worth its forward;
 * ``drafter_scale`` and ``ngram_margin``: grid search for the rule that commits the most
-  tokens per step over the traced steps.
+  tokens per unit of cost over the traced steps, replayed step by step with the rule itself:
+  the drafter runs only where the rule would run it (costing ``--costs`` draft), a proposal cut
+  to L tokens commits ``min(accepted, L) + 1`` and costs ``1 + multi_token_step + per_token * L``
+  one-token forwards (a plain step 1).
+
+``--from-trace FILE`` refits from a saved trace (e.g. for other ``--costs``) without
+generating again.
 
 Evaluation sets are used past ``--offset`` only (the benchmark takes their first prompts).
 Prints the fitted ``hybrid_ngram`` dict (for config.json), tokens per step for drafter-only,
@@ -61,9 +69,38 @@ def fit_ngram_acceptance(steps: list[dict], max_n: int) -> list[float]:
     return table
 
 
-def tokens_per_step(steps: list[dict], choose) -> float:
-    """Committed tokens per verification (accepted + the bonus token) when ``choose(step)`` picks the n-gram."""
-    return sum((s["ngram_accepted"] if choose(s) else s["draft_accepted"]) + 1 for s in steps) / max(len(steps), 1)
+def replay(steps: list[dict], rule, ngram, policy: str = "rule") -> dict:
+    """Tokens per step and per unit of cost of a policy over traced steps (greedy counterfactuals).
+
+    policy "rule": the hybrid rule as generation runs it; "dflash2": the drafter every step, cut by
+    the rule; "ngram": the whole n-gram continuation when there is one, else a plain step
+    (prompt lookup)."""
+    tokens = cost = 0.0
+    last_position = None
+    for s in steps:
+        if last_position is None or s["position"] <= last_position:  # a new prompt: a new call
+            rule.outcomes = {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0]}
+        last_position = s["position"]
+        match = ngram.NgramMatch(s["ngram"], s["match_length"]) if s["ngram"] else None
+        if policy == "ngram":
+            choice, rates = (ngram.Proposal("ngram", len(s["ngram"])) if match else ngram.Proposal("none", 0)), []
+        else:
+            drafts = policy == "dflash2" or rule.run_drafter(match, len(s["draft"]))
+            cost += rule.costs.draft if drafts else 0.0
+            choice = rule.choose(None if policy == "dflash2" else match, s["confidence"] if drafts else None)
+            rates = rule.ngram_rates(match) if choice.proposer == "ngram" else rule.drafter_rates(s["confidence"])
+        accepted = {"ngram": s["ngram_accepted"], "dflash2": s["draft_accepted"], "none": 0}[choice.proposer]
+        accepted = min(accepted, choice.length)
+        rule.record(choice, rates, accepted)
+        tokens += accepted + 1
+        cost += rule.costs.verify(choice.length)
+    return {"tokens_per_step": tokens / max(len(steps), 1), "tokens_per_cost": tokens / max(cost, 1e-9)}
+
+
+def fit_drafter_acceptance(steps: list[dict]) -> list[float]:
+    """Mean P(block position i accepted) of the whole block draft."""
+    n = max(len(s["draft"]) for s in steps)
+    return [round(sum(s["draft_accepted"] > i for s in steps) / len(steps), 3) for i in range(n)]
 
 
 def main(argv=None):
@@ -76,16 +113,47 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=6, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--costs", type=float, nargs=3, default=[0.65, 0.035, 0.25], metavar=("MULTI_TOKEN_STEP", "PER_TOKEN", "DRAFT"),
+                    help="a step's costs in one-token forwards (default: fp32 on a 2-core AVX2 CPU, "
+                    "generation_dflash2.default_step_costs; a GPU: 0 0 0.1)")
+    ap.add_argument("--from-trace", default=None, help="refit from this saved --out file instead of generating")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    if args.from_trace:
+        saved = json.load(open(args.from_trace))
+        steps, settings = saved["trace"], {k: v for k, v in saved["hybrid_ngram"].items() if k != "verify_cost_per_token"}
+        ngram = root.ngram_of(root.load_drafter(args.drafter))
+    else:
+        steps, settings, ngram = trace(args)
+    costs = ngram.StepCosts(*args.costs)
+    rule = ngram.HybridRule(fit_ngram_acceptance(steps, settings["max_n"]), 1.0, 0.0, fit_drafter_acceptance(steps), costs)
+    grid = []
+    for scale, margin in itertools.product([0.6, 0.7, 0.8, 0.9, 1.0, 1.2], [-0.5, -0.25, 0.0, 0.25, 0.5]):
+        rule.drafter_scale, rule.ngram_margin = scale, margin
+        grid.append((replay(steps, rule, ngram)["tokens_per_cost"], scale, margin))
+    _, rule.drafter_scale, rule.ngram_margin = max(grid)
+    fit = {**settings, "ngram_acceptance": rule.ngram_acceptance, "drafter_acceptance": rule.drafter_acceptance,
+           "drafter_scale": rule.drafter_scale, "ngram_margin": rule.ngram_margin, "costs": None}
+    summary = {"steps": len(steps), "costs": vars(costs), "hybrid_ngram": fit, "replay": {}}
+    for name in [*sorted({s["prompt_set"] for s in steps}), "all"]:
+        subset = [s for s in steps if name in ("all", s["prompt_set"])]
+        summary["replay"][name] = {policy: replay(subset, rule, ngram, policy) for policy in ("dflash2", "ngram", "rule")}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**summary, "args": vars(args), "trace": steps}, f)
+
+
+def trace(args):
+    """Greedy generation on the prompt sets, tracing both proposals at every step (block draft verified)."""
     dtype = resolve_dtype(args.dtype)
     target, tokenizer = load_target(args.target, dtype=dtype)
     drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
     gen = root.generation_of(drafter)
     settings = drafter.config.hybrid_settings()
-    drafter.config.hybrid_ngram = {**settings, "ngram_margin": -1e9}  # trace both, always verify the block draft
-
+    # trace both, always verify the whole block draft
+    drafter.config.hybrid_ngram = {**settings, "ngram_margin": -1e9, "costs": {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0}}
     steps = []
     for name in args.prompt_sets:
         records = sharegpt_prompts("train") if name == "sharegpt-train" else load_prompt_set(name)
@@ -93,37 +161,10 @@ def main(argv=None):
             random.Random(1).shuffle(records)  # not the regenerated data's order
         for rec in tqdm(records[args.offset : args.offset + args.limit], desc=f"tracing {name}", unit="prompt"):
             inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-            with gen.trace_proposals() as trace:
+            with gen.trace_proposals() as steps_of_call:
                 out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens)
-            steps += [{**s, "prompt_set": name} for s in scored_steps(trace, out[0].tolist())]
-
-    table = fit_ngram_acceptance(steps, settings["max_n"])
-    ngram = root.ngram_of(drafter)
-    rule = ngram.HybridRule(table, 1.0, 0.0)
-    grid = []
-    for scale, margin in itertools.product([0.6, 0.8, 1.0, 1.2, 1.5, 2.0], [-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0]):
-        rule.drafter_scale, rule.ngram_margin = scale, margin
-        grid.append((tokens_per_step(steps, lambda s: rule.use_ngram(_match(ngram, s), s["confidence"])), scale, margin))
-    best, scale, margin = max(grid)
-    fitted = {**settings, "ngram_acceptance": table, "drafter_scale": scale, "ngram_margin": margin}
-    rule.drafter_scale, rule.ngram_margin = scale, margin
-    summary = {"steps": len(steps), "hybrid_ngram": fitted, "tokens_per_step": {}}
-    for name in [*args.prompt_sets, "all"]:
-        subset = [s for s in steps if name in ("all", s["prompt_set"])]
-        summary["tokens_per_step"][name] = {
-            "dflash2": tokens_per_step(subset, lambda s: False),
-            "ngram_when_matched": tokens_per_step(subset, lambda s: bool(s["ngram"])),
-            "oracle": sum(max(s["ngram_accepted"], s["draft_accepted"]) + 1 for s in subset) / max(len(subset), 1),
-            "fitted_rule": tokens_per_step(subset, lambda s: rule.use_ngram(_match(ngram, s), s["confidence"])),
-        }
-    print(json.dumps(summary, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**summary, "args": vars(args), "trace": steps}, f)
-
-
-def _match(ngram, step):
-    return ngram.NgramMatch(step["ngram"], step["match_length"]) if step["ngram"] else None
+            steps += [{**s, "prompt_set": name} for s in scored_steps(steps_of_call, out[0].tolist())]
+    return steps, settings, root.ngram_of(drafter)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ def main(argv=None):
     print(f"target alone : {n_plain / t_plain:6.1f} tok/s ({n_plain} tokens, {t_plain:.2f} s)")
     print(f"DFlash 2     : {n_spec / t_spec:6.1f} tok/s ({n_spec} tokens, {t_spec:.2f} s)")
     print(f"speedup      : {(n_spec / t_spec) / (n_plain / t_plain):.2f}x   mean acceptance length: {stats.mean_acceptance_length:.2f} tokens/target forward")
+    for name, c in sorted(stats.per_proposer.items()):  # which proposal the hybrid rule verified, and how it fared
+        print(f"  {name:8s}: {c['steps']} steps, {(c['accepted'] + c['steps']) / c['steps']:.2f} tokens/target forward")
     note = "" if args.dtype == "float32" else " (bf16 multi-token forwards are not bit-exact; --dtype float32 checks exactness)"
     print(f"same output as the target alone: {'yes' if same else 'no'}{note}")
 

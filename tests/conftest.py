@@ -16,6 +16,10 @@ from dflash2_tools import drafter as root
 
 VOCAB = 131
 HIDDEN = 48
+# a GPU-like cost model for the hybrid rule: drafting and verifying cost nothing extra, so every drafted
+# token is verified (tests/test_hybrid.py sets CPU-like costs to test the cut drafts and plain steps)
+FREE_COSTS = {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0}
+CPU_FP32_COSTS = {"multi_token_step": 0.65, "per_token": 0.035, "draft": 0.25}
 
 
 def tiny_target(arch: str = "llama", vocab: int = VOCAB, hidden: int = HIDDEN, layers: int = 7, seed: int = 0):
@@ -71,6 +75,8 @@ def tiny_drafter_config(target=None, **overrides):
         selector_top_k=7,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        # verify every drafted token (as on a GPU): the tests that pin drafts and acceptance see whole blocks
+        hybrid_ngram={"costs": FREE_COSTS},
     )
     kw.update(overrides)
     return C(**kw)

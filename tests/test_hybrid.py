@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, root, tiny_drafter, tiny_target
+from conftest import CPU_FP32_COSTS, FREE_COSTS, VOCAB, root, tiny_drafter, tiny_target
 
-FORCED = {"ngram_margin": 100.0}  # the n-gram wins every step that has a match
+FORCED = {"ngram_margin": 100.0, "costs": FREE_COSTS}  # the n-gram wins every step that has a match
 
 
 @pytest.fixture()
@@ -76,14 +76,58 @@ def test_ngram_index_is_incremental_and_equals_a_full_scan():
         assert (None if got is None else (got.match_length, got.tokens)) == want
 
 
+def rule(ngram, costs=None, drafter_acceptance=(0.4, 0.2)):
+    return ngram.HybridRule([0.0, 0.3, 0.9], drafter_scale=1.0, ngram_margin=0.0, drafter_acceptance=list(drafter_acceptance),
+                            costs=ngram.StepCosts(**(costs or FREE_COSTS)))
+
+
 def test_rule_prefers_the_higher_expected_accepted_length():
     ngram = root._sibling("ngram_dflash2")
-    rule = ngram.HybridRule([0.0, 0.3, 0.9], drafter_scale=1.0, ngram_margin=0.0)
+    free = rule(ngram)  # no costs: verify everything
     long_match = ngram.NgramMatch([1, 2, 3, 4], 2)
     short_match = ngram.NgramMatch([1, 2, 3, 4], 1)
-    assert rule.use_ngram(long_match, [0.2, 0.1, 0.1])  # 0.9+0.81+... > 0.2+0.02+...
-    assert not rule.use_ngram(short_match, [0.9, 0.9, 0.9])
-    assert not rule.use_ngram(None, [0.0]) and not rule.use_ngram(ngram.NgramMatch([], 2), [0.0])
+    assert free.choose(long_match, [0.2, 0.1, 0.1]) == ngram.Proposal("ngram", 4)  # 0.9+0.81+... > 0.2+0.02+...
+    assert free.choose(short_match, [0.9, 0.9, 0.9]) == ngram.Proposal("dflash2", 3)
+    assert free.choose(None, [0.1]) == free.choose(ngram.NgramMatch([], 2), [0.1]) == ngram.Proposal("dflash2", 1)
+    assert free.choose(None, None) == ngram.Proposal("none", 0)
+
+
+def test_rule_cuts_drafts_to_what_pays_for_its_verification():
+    ngram = root._sibling("ngram_dflash2")
+    cpu = rule(ngram, {"multi_token_step": 0.5, "per_token": 0.1, "draft": 0.25})
+    # (1 + E_L) / (1.5 + 0.1 L): 0.9, 0.8, 0.05 -> L=1: 1.18, L=2: 1.59, L=3: 1.48: verify two
+    assert cpu.choose(None, [0.9, 0.8 / 0.9, 0.05 / 0.8]) == ngram.Proposal("dflash2", 2)
+    assert cpu.choose(None, [0.3, 0.9]) == ngram.Proposal("none", 0)  # nothing pays for a multi-token forward
+    match = ngram.NgramMatch([1, 2, 3, 4], 2)  # 0.9 per token: (1 + 3.10) / 1.9 = 2.16
+    assert cpu.choose(match, [0.9, 0.8 / 0.9, 0.05 / 0.8]) == ngram.Proposal("ngram", 4)
+    # before drafting: a mean draft (0.4, 0.2 -> (1.6) / (1.5 + 0.2 + 0.25) < 1) is not worth its forward;
+    # on a GPU (no costs) it is, unless the n-gram promises more
+    assert not cpu.run_drafter(None, 2) and rule(ngram).run_drafter(None, 2) and not rule(ngram).run_drafter(match, 2)
+
+
+def test_rule_learns_from_this_calls_outcomes():
+    ngram = root._sibling("ngram_dflash2")
+    cpu = rule(ngram, {"multi_token_step": 0.5, "per_token": 0.1, "draft": 0.25})
+    match = ngram.NgramMatch([1, 2, 3, 4], 2)
+    assert cpu.choose(match, None).proposer == "ngram"
+    for _ in range(10):  # the n-gram keeps failing in this call (e.g. sampling at a high temperature)
+        cpu.record(ngram.Proposal("ngram", 4), cpu.ngram_rates(match), 0)
+    assert cpu.factor("ngram") < 0.3 and cpu.choose(match, None).proposer == "none"
+
+
+def test_cut_drafts_and_plain_steps_stay_lossless(accepting, gen_module, monkeypatch):
+    """With a CPU-like verification cost the rule verifies parts of drafts and sometimes nothing."""
+    target, drafter, prompts = accepting
+    pooled = gen_module.DFlash2Stats(block_size=drafter.config.block_size)
+    for d in (drafter, tiny_drafter(target)):  # a confident and an unsure drafter, drafting every step
+        monkeypatch.setattr(d.config, "hybrid_ngram", {"costs": {"multi_token_step": 0.2, "per_token": 0.3, "draft": 0.0}})
+        for p in prompts:
+            for new in (5, 23, 50):
+                pooled.merge(_generate(gen_module, target, d, torch.tensor([p]), max_new_tokens=new, eos_token_id=None,
+                                       prompt_lookup_num_tokens=0)[1])
+    assert "none" in pooled.proposers  # plain one-token steps
+    per_position = pooled.drafted_per_position  # steps that verified at least 1, 2, ... drafted tokens
+    assert per_position[1] > 0 and per_position[0] > per_position[-1]  # multi-token drafts, cut before the block's end
 
 
 # ---- lossless greedy --------------------------------------------------------------------------------------------
@@ -211,3 +255,15 @@ def test_drafts_after_skipped_drafter_steps_equal_training_time_drafts(accepting
         walk = drafter.candidate_selector.walk(hidden[0], logits[0], anchor_ids[0])  # [n, B-1]
     for i, (_, drafted) in enumerate(drafts):
         assert walk.tokens[i, : len(drafted)].tolist() == drafted
+
+
+def test_cpu_costs_gate_the_drafter_and_stay_lossless(accepting, gen_module, monkeypatch):
+    """With this CPU's fp32 costs and the shipped calibration, a mean draft does not pay for its forward:
+    the hybrid verifies n-gram continuations or makes plain steps, and stays exact."""
+    target, drafter, prompts = accepting
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {"costs": CPU_FP32_COSTS})
+    proposers = set()
+    for seed in range(2):
+        ids = looping_prompt(target, seed=seed)[:, :12]
+        proposers |= set(_generate(gen_module, target, drafter, ids, max_new_tokens=40, eos_token_id=None)[1].proposers)
+    assert proposers == {"ngram", "none"}

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import root, tiny_drafter, tiny_target
+from conftest import FREE_COSTS, root, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.generation import utils as gen_utils
 
@@ -94,8 +94,8 @@ def setup():
         (0.7, 0.9, 1.3, None, None, None),
         (1.0, 1.0, 1.0, 1, None, None),
         (1.0, 1.0, 1.0, None, [0, 1, 3, 4], None),
-        (1.0, 1.0, 1.0, None, None, {"ngram_margin": 100.0}),
-        (0.7, 0.9, 1.3, None, None, {"ngram_margin": 100.0, "min_n": 1, "max_n": 1}),
+        (1.0, 1.0, 1.0, None, None, {"ngram_margin": 100.0, "costs": FREE_COSTS}),
+        (0.7, 0.9, 1.3, None, None, {"ngram_margin": 100.0, "min_n": 1, "max_n": 1, "costs": FREE_COSTS}),
     ],
     ids=["plain", "processors", "one-token-drafts", "draft-vocabulary", "hybrid-ngram", "hybrid-ngram-processors"],
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import overfit_drafter, tiny_drafter
+from conftest import FREE_COSTS, overfit_drafter, tiny_drafter
 
 from dflash2_tools import drafter as root
 from dflash2_tools.tiny_targets import tiny_glm5_next, tiny_qwen3_next
@@ -132,7 +132,7 @@ def test_greedy_with_ngram_steps_equals_target_generate(stateful, monkeypatch):
     """Hybrid n-gram steps propose more tokens than a block (prompt_lookup_num_tokens=9): the rollback
     replays whatever was verified, so the state stays exact (the recorded accepted counts drive it)."""
     name, target, random_drafter, *_ = stateful
-    monkeypatch.setattr(random_drafter.config, "hybrid_ngram", {"ngram_margin": 100.0})  # the n-gram wins every match
+    monkeypatch.setattr(random_drafter.config, "hybrid_ngram", {"ngram_margin": 100.0, "costs": FREE_COSTS})  # the n-gram wins every match
     gen = root.generation()
     g = torch.Generator().manual_seed(11)
     used = []
