@@ -166,27 +166,26 @@ _TRACE_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflas
 
 
 @contextlib.contextmanager
+def _collect_into(sink: contextvars.ContextVar):
+    """Every candidate generator created inside the block appends to the yielded list."""
+    items: list = []
+    token = sink.set(items)
+    try:
+        yield items
+    finally:
+        sink.reset(token)
+
+
 def trace_proposals():
     """``with trace_proposals() as steps: target.generate(...)``: per step, both proposals (the block
     draft with its confidences, the n-gram continuation with its match length) and the position,
     whichever was verified; ``dflash2_tools.calibrate_hybrid`` fits the hybrid rule from them."""
-    steps: list[dict] = []
-    token = _TRACE_SINK.set(steps)
-    try:
-        yield steps
-    finally:
-        _TRACE_SINK.reset(token)
+    return _collect_into(_TRACE_SINK)
 
 
-@contextlib.contextmanager
 def collect_stats():
     """``with collect_stats() as runs: target.generate(..., assistant_model=drafter)`` -> runs[-1] is a DFlash2Stats."""
-    runs: list[DFlash2Stats] = []
-    token = _STATS_SINK.set(runs)
-    try:
-        yield runs
-    finally:
-        _STATS_SINK.reset(token)
+    return _collect_into(_STATS_SINK)
 
 
 # ---- compatibility checks ---------------------------------------------------------------------------------------
