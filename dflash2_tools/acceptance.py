@@ -3,7 +3,7 @@
     python -m dflash2_tools.acceptance --prompt-set sharegpt-dev --limit 20
 
 For every prompt: ``target.generate(**chat, assistant_model=drafter, do_sample=False,
-max_new_tokens=N)``; the mean acceptance length is tokens committed per draft-verify target
+max_new_tokens=N, prompt_lookup_num_tokens=0)`` with every drafted token verified; the mean acceptance length is tokens committed per draft-verify target
 forward, pooled over all steps of all prompts (and the per-prompt median). Greedy outputs are
 checked against the target alone when ``--check`` is given (use fp32 for an exact check).
 """
@@ -23,13 +23,28 @@ from .precision import resolve_dtype
 from .target import EMBEDDED_TARGET, load_target
 
 
+WHOLE_BLOCK = {"costs": {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0}}  # the drafter's quality, not the rule's
+
+
 def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False):
+    """The block draft alone, every drafted token verified (``prompt_lookup_num_tokens=0`` and a
+    cost-free rule): tokens per target forward is then the drafter's acceptance, whatever the
+    machine's cost model would choose."""
     gen = root.generation_of(drafter)
+    saved, drafter.config.hybrid_ngram = drafter.config.hybrid_ngram, {**(drafter.config.hybrid_ngram or {}), **WHOLE_BLOCK}
+    try:
+        return _measure(gen, target, tokenizer, drafter, records, max_new_tokens, check)
+    finally:
+        drafter.config.hybrid_ngram = saved
+
+
+def _measure(gen, target, tokenizer, drafter, records, max_new_tokens, check):
     pooled = gen.DFlash2Stats(block_size=drafter.config.block_size)
     per_prompt, mismatches = [], 0
     for rec in tqdm(records, desc="acceptance", unit="prompt"):
         inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out, stats = gen.dflash2_generate(target, drafter, **inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out, stats = gen.dflash2_generate(target, drafter, **inputs, do_sample=False, max_new_tokens=max_new_tokens,
+                                          prompt_lookup_num_tokens=0)
         if check and not torch.equal(out, target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)):
             mismatches += 1
         if stats.accept_lengths:

@@ -13,8 +13,8 @@
    --target-model-dir <the embedded target's HF folder>``;
 3. ``run``: llama.cpp's speculative decoding of the embedded target's Q4_1 GGUF (the same file the
    transformers target is dequantised from) with the drafter, greedy, on a prompt set:
-   per prompt tokens per target forward and tokens/s, plus the target alone and llama.cpp's
-   own n-gram drafting;
+   per prompt tokens per target forward and tokens/s (``--spec-draft-n-max block_size - 1``), llama.cpp's
+   own n-gram drafting (``ngram-simple``), and the target alone (``llama-bench``);
 4. the same prompts through our plain ``target.generate(..., assistant_model=drafter)`` call
    (block draft only, the hybrid's n-gram off, the whole block verified: what llama.cpp does),
    side by side.
@@ -23,7 +23,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -58,12 +60,12 @@ def source_dir() -> Path:
                        check=True)
     archive = next(download.glob("*.tar.gz"))
     with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
-        prefix = members[0].name.split("/vendor/llama.cpp/")[0] + "/vendor/llama.cpp/"
+        # <sdist>/vendor/llama.cpp/<path>: keep <path> (the top folder's own vendor tree only)
+        members = [m for m in tar.getmembers() if m.name.count("/") >= 3 and m.name.split("/", 3)[1:3] == ["vendor", "llama.cpp"]]
         tmp = llamacpp_dir() / "src.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         for m in tqdm(members, desc="unpacking llama.cpp", unit="file"):
-            m.name = m.name[len(prefix):]
+            m.name = m.name.split("/", 3)[3]
             if m.name:
                 tar.extract(m, tmp, filter="data")
     tmp.rename(src)
@@ -82,7 +84,7 @@ def build() -> Path:
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_UI=OFF",
              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
     subprocess.run(["cmake", "-S", str(src), "-B", str(out), *flags], check=True, stdout=subprocess.DEVNULL)
-    cmd = ["cmake", "--build", str(out), "-j", str(max(1, len(__import__("os").sched_getaffinity(0)))), "--target", *BINARIES]
+    cmd = ["cmake", "--build", str(out), "-j", str(max(1, len(os.sched_getaffinity(0)))), "--target", *BINARIES]
     bar = tqdm(total=100, desc="building llama.cpp", unit="%")
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         log = []
@@ -104,8 +106,11 @@ def convert(drafter_dir: str | Path, out: Path | None = None) -> Path:
     weights = drafter_dir / "model.safetensors"
     if out.is_file() and out.stat().st_mtime > weights.stat().st_mtime:
         return out
+    missing = [m for m in ("sentencepiece",) if importlib.util.find_spec(m) is None]
+    if missing:  # llama.cpp's converter reads a llama-family target's vocabulary with it
+        raise SystemExit(f"llama.cpp's converter needs {', '.join(missing)}: pip install {' '.join(missing)}")
     src = source_dir()
-    env = {**__import__("os").environ, "PYTHONPATH": str(src / "gguf-py")}
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(drafter_dir), "--target-model-dir", str(embedded_target_dir()),
            "--outfile", str(out), "--outtype", "f32"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -133,13 +138,22 @@ def parse_speculative_log(text: str) -> dict:
     }
 
 
-def run_llamacpp(bin_dir: Path, prompt_text: str, draft_gguf: Path | None, spec_type: str | None, n_new: int, threads: int) -> dict:
+def target_alone_tok_per_s(bin_dir: Path, n_new: int, threads: int) -> float:
+    """llama.cpp decoding the target alone (``llama-bench``, text generation of ``n_new`` tokens)."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(smollm2_gguf_path()), "-p", "0", "-n", str(n_new), "-t", str(threads), "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def run_llamacpp(bin_dir: Path, prompt_text: str, draft_gguf: Path | None, spec_type: str, n_new: int, threads: int,
+                 n_draft: int | None = None) -> dict:
+    """Greedy speculative decoding of one prompt by ``llama-speculative-simple``."""
     cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(smollm2_gguf_path()), "-p", prompt_text, "-n", str(n_new),
-           "--temp", "0", "-t", str(threads), "-c", "2048", "--seed", "0", "-no-cnv"]
+           "--temp", "0", "-t", str(threads), "-c", "2048", "--seed", "0", "--spec-type", spec_type]
     if draft_gguf is not None:
         cmd += ["-md", str(draft_gguf)]
-    if spec_type:
-        cmd += ["--spec-type", spec_type]
+    if n_draft is not None:
+        cmd += ["--spec-draft-n-max", str(n_draft)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd[:1])} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -173,17 +187,21 @@ def compare(args, bin_dir: Path, gguf: Path) -> None:
     target, tokenizer = load_target(EMBEDDED_TARGET, dtype=torch.float32)
     drafter = root.load_drafter(args.drafter, dtype=torch.float32).eval()
     gen = root.generation_of(drafter)
+    drafter.config.hybrid_ngram = {**(drafter.config.hybrid_ngram or {}), "costs": {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0}}
+    alone = target_alone_tok_per_s(bin_dir, args.max_new_tokens, args.threads)
+    print(f"llama.cpp, target alone (llama-bench, {args.max_new_tokens} tokens): {alone:.1f} tok/s", flush=True)
     rows = []
     for rec in tqdm(load_prompt_set(args.prompt_set)[: args.limit], desc="llama.cpp vs transformers", unit="prompt"):
         text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-        with gen.collect_stats() as runs:  # what llama.cpp does: the block draft, every drafted token verified
+        with gen.collect_stats() as runs:  # what llama.cpp does: the block draft, every drafted token verified (no costs)
             target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens,
-                            prompt_lookup_num_tokens=0, num_assistant_tokens=drafter.config.block_size - 1)
+                            prompt_lookup_num_tokens=0)
         ours = runs[-1]
-        row = {"prompt_id": rec["id"], "transformers_dflash2": ours.mean_acceptance_length}
-        for name, draft, spec in (("llama.cpp", None, None), ("llama.cpp+dflash2", gguf, "draft-dflash"), ("llama.cpp+ngram", None, "ngram-simple")):
-            result = run_llamacpp(bin_dir, text, draft, spec, args.max_new_tokens, args.threads)
+        row = {"prompt_id": rec["id"], "transformers dflash2 acceptance": ours.mean_acceptance_length}
+        block = drafter.config.block_size - 1
+        for name, draft, spec, n_draft in (("llama.cpp+dflash2", gguf, "draft-dflash", block), ("llama.cpp+ngram", None, "ngram-simple", None)):
+            result = run_llamacpp(bin_dir, text, draft, spec, args.max_new_tokens, args.threads, n_draft)
             row[f"{name} acceptance"] = result["acceptance_length"]
             row[f"{name} tok/s"] = result["tok_per_s"]
         rows.append(row)
@@ -193,7 +211,7 @@ def compare(args, bin_dir: Path, gguf: Path) -> None:
     for r in rows:
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "llama.cpp target alone tok/s": alone, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
