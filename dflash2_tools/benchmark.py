@@ -240,17 +240,25 @@ def plot(results, rows, out: Path):
         lengths = [a for r in spec for a in r["accept_lengths"]]
         axes[1].hist(lengths, bins=range(1, max(lengths) + 2), align="left", rwidth=0.8)
         axes[1].set(title="DFlash 2 acceptance length per step", xlabel="tokens per target forward", ylabel="steps")
-    labels, values = [], []
-    for r in rows:
-        if r["temperature"] == 0:
-            labels.append(f"{r['prompt_set']}\n{r['method']}\n{r['dtype'][:4]}")
-            values.append(r["median_speedup"])
-    axes[2].bar(range(len(values)), values)
-    axes[2].set_xticks(range(len(values)), labels, fontsize=6)
+    greedy = [r for r in rows if r["temperature"] == rows[0]["temperature"]]
+    sets = sorted({r["prompt_set"] for r in greedy})
+    methods = sorted({(r["dtype"], r["method"]) for r in greedy}, key=lambda dm: (dm[0], method_rank(dm[1])))
+    width = 0.8 / max(len(methods), 1)
+    for i, (dtype, method) in enumerate(methods):  # grouped bars: one group per prompt set, one bar per method
+        values = [next((r["median_speedup"] for r in greedy if (r["prompt_set"], r["dtype"], r["method"]) == (s, dtype, method)), 0.0)
+                  for s in sets]
+        axes[2].bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(sets))], values, width,
+                    label=method if len(args_dtypes(rows)) == 1 else f"{method} ({dtype})")
+    axes[2].set_xticks(range(len(sets)), sets)
     axes[2].axhline(1.0, color="k", lw=0.5)
-    axes[2].set(title="median speedup vs target alone (T=0)", ylabel="x")
+    axes[2].legend(fontsize=7)
+    axes[2].set(title=f"median speedup vs target alone (T={rows[0]['temperature']:g})" if rows else "median speedup", ylabel="x")
     fig.tight_layout()
     fig.savefig(out / "benchmark.png", dpi=110)
+
+
+def args_dtypes(rows) -> set:
+    return {r["dtype"] for r in rows}
 
 
 def main(argv=None):
@@ -268,7 +276,12 @@ def main(argv=None):
     ap.add_argument("--ngram-tokens", nargs="*", type=int, default=[],
                     help="also run the hybrid with n-gram continuations of up to N tokens (method dflash2+ngram-kN)")
     ap.add_argument("--out", default="docs/bench")
+    ap.add_argument("--replot", action="store_true", help="only redraw benchmark.png from --out's results.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        plot(saved["runs"], saved["summary"], Path(args.out))
+        return
     args.methods += [f"dflash2-d{n}" for n in args.draft_tokens] + [f"dflash2+ngram-k{n}" for n in args.ngram_tokens]
     if "target" not in args.methods:
         args.methods = ["target", *args.methods]  # speedups and lossless checks need it
