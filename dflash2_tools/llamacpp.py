@@ -157,7 +157,20 @@ def run_llamacpp(bin_dir: Path, prompt_text: str, draft_gguf: Path | None, spec_
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd[:1])} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return parse_speculative_log(done.stdout + done.stderr)
+    result = parse_speculative_log(done.stdout + done.stderr)
+    result["text"] = done.stdout.rsplit(ASSISTANT_TURN, 1)[-1]  # stdout echoes the prompt, then the generated text
+    return result
+
+
+ASSISTANT_TURN = "<|im_start|>assistant\n"
+
+
+def first_divergence_token(tokenizer, ours: str, theirs: str) -> int | None:
+    """Our token index at which llama.cpp's greedy text first differs from ours (None: the same text)."""
+    n = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if n is None:
+        return None
+    return len(tokenizer(ours[:n], add_special_tokens=False)["input_ids"])
 
 
 def main(argv=None):
@@ -195,15 +208,18 @@ def compare(args, bin_dir: Path, gguf: Path) -> None:
         text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with gen.collect_stats() as runs:  # what llama.cpp does: the block draft, every drafted token verified (no costs)
-            target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens,
+            out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens,
                             prompt_lookup_num_tokens=0)
         ours = runs[-1]
+        ours_text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
         row = {"prompt_id": rec["id"], "transformers dflash2 acceptance": ours.mean_acceptance_length}
         block = drafter.config.block_size - 1
         for name, draft, spec, n_draft in (("llama.cpp+dflash2", gguf, "draft-dflash", block), ("llama.cpp+ngram", None, "ngram-simple", None)):
             result = run_llamacpp(bin_dir, text, draft, spec, args.max_new_tokens, args.threads, n_draft)
             row[f"{name} acceptance"] = result["acceptance_length"]
             row[f"{name} tok/s"] = result["tok_per_s"]
+        # both greedy: where the two targets' texts part (Q4_1 with quantised activations vs its fp32 dequantisation)
+        row["texts differ from token"] = first_divergence_token(tokenizer, ours_text, result["text"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     keys = list(rows[0]) if rows else []

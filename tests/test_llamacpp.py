@@ -26,3 +26,12 @@ def test_speculative_log_parser():
     assert got["tok_per_s"] == pytest.approx(83.551)
     with pytest.raises(RuntimeError, match="n_predict"):
         llamacpp.parse_speculative_log("decoded nothing")
+
+
+def test_first_divergence_is_counted_in_our_tokens():
+    class CharTokenizer:  # one token per character
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(text)}
+
+    assert llamacpp.first_divergence_token(CharTokenizer(), "abcdef", "abcXef") == 3
+    assert llamacpp.first_divergence_token(CharTokenizer(), "abc", "abcdef") is None  # ours is a prefix: no difference seen
