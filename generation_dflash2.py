@@ -349,9 +349,10 @@ def default_step_costs(param: torch.Tensor) -> dict:
     Measured with SmolLM2-135M on 2-core CPUs (docs/evaluation.md): fp32 on an AVX2 EPYC, a
     1-token forward 59 ms and 2 / 4 / 8 / 16 tokens 1.69 / 1.77 / 2.10 / 2.16 of it (the GEMM path
     of a multi-token forward costs more than the GEMV path of one token), the draft ~0.25; native
-    bf16 (AVX-512 bf16) an 8-token verification 55-60 ms against 51-56 ms, the draft 10-11 ms.
-    Emulated bf16 is slow for every multi-token forward. On a GPU verifying a block costs about one
-    decoding step. Set ``hybrid_ngram["costs"]`` to override.
+    bf16 (AVX-512 bf16) an 8-token verification 55-60 ms against 51-56 ms, the draft 10-11 ms;
+    emulated bf16 (the same AVX2 EPYC) a 1-token forward 39 ms and 2 / 4 / 8 / 16 tokens 1.31 /
+    2.14 / 3.73 / 6.84 of it (each extra token ~0.38), the draft 21-23 ms (0.55). On a GPU verifying a block costs about one decoding step. Set
+    ``hybrid_ngram["costs"]`` to override.
     """
     if param.device.type != "cpu":
         return {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.1}
@@ -359,7 +360,7 @@ def default_step_costs(param: torch.Tensor) -> dict:
         return {"multi_token_step": 0.65, "per_token": 0.035, "draft": 0.25}
     if cpu_has_native_bf16():
         return {"multi_token_step": 0.05, "per_token": 0.005, "draft": 0.2}
-    return {"multi_token_step": 1.0, "per_token": 0.3, "draft": 0.5}
+    return {"multi_token_step": 0.0, "per_token": 0.38, "draft": 0.55}
 
 
 def point_mass_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
