@@ -23,7 +23,7 @@ softmax on a drafted one, and speculative sampling stays exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -108,10 +108,7 @@ class HybridRule:
     drafter_acceptance: list[float]
     costs: StepCosts
     prior_tokens: float = 8.0  # strength of the calibration against this call's own outcomes
-    outcomes: dict = None  # proposer -> [accepted, predicted] in this call
-
-    def __post_init__(self):
-        self.outcomes = {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0]}
+    outcomes: dict = field(default_factory=lambda: {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0]})  # [accepted, predicted]
 
     def factor(self, proposer: str) -> float:
         accepted, predicted = self.outcomes[proposer]

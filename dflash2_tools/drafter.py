@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "ngram_dflash2.py", "rollback_dflash2.py")
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "ngram_dflash2.py", "rollback_dflash2.py", "stats_dflash2.py")
 
 
 def modeling(repo: str | Path = REPO_ROOT):
