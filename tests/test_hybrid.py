@@ -267,3 +267,25 @@ def test_cpu_costs_gate_the_drafter_and_stay_lossless(accepting, gen_module, mon
         ids = looping_prompt(target, seed=seed)[:, :12]
         proposers |= set(_generate(gen_module, target, drafter, ids, max_new_tokens=40, eos_token_id=None)[1].proposers)
     assert proposers == {"ngram", "none"}
+
+
+def test_calibration_fits_and_replays_traced_steps():
+    from dflash2_tools import calibrate_hybrid as cal
+
+    ngram = root._sibling("ngram_dflash2")
+    trace = [  # two calls (positions restart): whole-block drafts, n-gram continuations, what the target produced
+        {"position": 10, "draft": [1, 2, 3], "confidence": [0.9, 0.9, 0.9], "ngram": [1, 2, 9], "match_length": 2},
+        {"position": 13, "draft": [5, 6, 7], "confidence": [0.1, 0.1, 0.1], "ngram": [], "match_length": 0},
+        {"position": 4, "draft": [8, 8, 8], "confidence": [0.5, 0.5, 0.5], "ngram": [4, 4, 4], "match_length": 2},
+    ]
+    outputs = {10: [1, 2, 3, 4], 13: [5, 0, 0], 4: [4, 4, 0]}
+    steps = [cal.scored_steps([s], [0] * s["position"] + outputs[s["position"]])[0] for s in trace]
+    assert [(s["draft_accepted"], s["ngram_accepted"]) for s in steps] == [(3, 2), (1, 0), (0, 2)]
+    # match length 2: 4 accepted n-gram tokens against 2 first rejections -> 4 / 6
+    assert cal.fit_ngram_acceptance(steps, 2) == [0.0, 0.0, round(4 / 6, 3)]
+    assert cal.fit_drafter_acceptance(steps) == [round(2 / 3, 3), round(1 / 3, 3), round(1 / 3, 3)]
+    rule = ngram.HybridRule([0.0, 0.0, 0.9], 1.0, 0.0, [0.5, 0.2, 0.1], ngram.StepCosts())
+    # prompt lookup: whole n-gram where matched (2 + 1, 2 + 1 tokens), a plain step elsewhere (1)
+    assert cal.replay(steps, rule, ngram, "ngram") == {"tokens_per_step": 7 / 3, "tokens_per_cost": 7 / 3}
+    # no costs: every drafted token verified; the rule takes the better-scored proposal per step
+    assert cal.replay(steps, rule, ngram, "dflash2")["tokens_per_step"] == (4 + 2 + 1) / 3
