@@ -19,7 +19,7 @@ import numpy as np
 
 from . import drafter as root
 from .regenerate import load_chunks
-from .train import is_dev_sequence
+from .training.data import is_dev_sequence
 
 
 def response_token_counts(sequences, vocab_size: int, dev: bool) -> np.ndarray:

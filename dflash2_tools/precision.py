@@ -12,22 +12,17 @@ machine trained at ~1 s/step in bf16).
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+from . import drafter as root
 
 
 @lru_cache(maxsize=None)
 def bf16_is_fast(device: str = "cpu") -> bool:
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to tell, fp32 is the safe choice
-        return False
-    return any(flag in flags.split() for flag in BF16_CPU_FLAGS)
+    return root.generation().cpu_has_native_bf16()  # the same test the generation cost model uses
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:

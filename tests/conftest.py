@@ -118,18 +118,19 @@ def overfit_drafter(target, steps=120, seed=0, **overrides):
     """A drafter that accepts many tokens: trained (with the real training code) on the target's greedy text."""
     from types import SimpleNamespace
 
-    from dflash2_tools import train
+    from dflash2_tools.training import batches, features, forward
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, target.config.get_text_config().vocab_size - 2, (n,), generator=g).tolist() for n in (3, 7, 12, 5)]
     seqs = greedy_sequences(target, prompts)
     drafter = tiny_drafter(target, randomize=False, **overrides).train()
-    args = SimpleNamespace(blocks_per_seq=12, gamma=None, selector_weight=1.0)
+    args = SimpleNamespace(blocks_per_seq=12, gamma=None, selector_weight=1.0, position_weighting="decay", chain_floor=0.1, distill_weight=0.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    tokens, lengths, prompt_lengths = train.collate(seqs, pad_id=0)
+    tokens, lengths, prompt_lengths = batches.collate(seqs, pad_id=0)
+    head = forward.LossHead.of(drafter, target)
     for step in range(steps):
-        feats = train.target_features(target, tokens, lengths, drafter.config.target_layer_ids, drafter.config.target_hidden_reduction)
-        loss, _ = train.compute_loss(drafter, target, (tokens, lengths, prompt_lengths), feats, torch.Generator().manual_seed(step), args)
+        feats, _, _ = features.target_forward(target, tokens, lengths, drafter.config.target_layer_ids, drafter.config.target_hidden_reduction)
+        loss, _ = forward.compute_loss(drafter, target, head, (tokens, lengths, prompt_lengths), feats, torch.Generator().manual_seed(step), args)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -25,7 +25,8 @@ def smollm2():
     if (root.REPO_ROOT / "model.safetensors").is_file():
         drafter = root.load_drafter(root.REPO_ROOT, dtype=torch.float32).eval()
     else:  # before a drafter is shipped: a random one of the shipped shape
-        from dflash2_tools.train import build_drafter_config, parse_args
+        from dflash2_tools.training.loop import parse_args
+        from dflash2_tools.training.model import build_drafter_config
 
         args = parse_args(["--data", "-", "--out", "-", "--mask-token-id", "16"])
         args.target_name = "HuggingFaceTB/SmolLM2-135M-Instruct"

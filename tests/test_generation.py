@@ -290,7 +290,7 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mon
     """The blocks generation proposes equal what training computes for the same anchors: all of a
     sequence's blocks in ONE forward under the multi-block training mask, from one target forward
     over the final sequence (so the incremental context cache is what training assumes)."""
-    from dflash2_tools import train
+    from dflash2_tools.training import features, forward
 
     target, drafter, prompts = accepting
     cfg = drafter.config
@@ -312,8 +312,8 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mon
     anchors = torch.tensor([[a for a, _ in steps]])  # [1, n]
     lengths = torch.tensor([length])
     with torch.no_grad():  # exactly training's path: one target forward, all blocks in one drafter forward
-        feats = train.target_features(target, out, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
-        hidden, logits, _, anchor_ids = train.blocks_forward(drafter, target, out, lengths, anchors, torch.ones_like(anchors, dtype=torch.bool), feats)
+        feats, _, _ = features.target_forward(target, out, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
+        hidden, logits, _, anchor_ids = forward.blocks_forward(drafter, target, forward.LossHead.of(drafter, target, "full"), out, lengths, anchors, torch.ones_like(anchors, dtype=torch.bool), feats)
         walk = drafter.candidate_selector.walk(hidden[0], logits[0], anchor_ids[0])  # [n, B-1] drafts
     for i, (_, drafted) in enumerate(steps):
         assert walk.tokens[i, : len(drafted)].tolist() == drafted
@@ -325,7 +325,8 @@ def test_on_policy_dev_acceptance_equals_what_generation_measures(accepting, gen
     target's own greedy text."""
     import contextlib
 
-    from dflash2_tools import losses, train
+    from dflash2_tools.training import evaluate, features, forward
+    from dflash2_tools.training import loss as losses
 
     target, drafter, prompts = accepting
     accepted = []
@@ -343,8 +344,9 @@ def test_on_policy_dev_acceptance_equals_what_generation_measures(accepting, gen
     lengths = torch.tensor([out.shape[1]])
     cfg = drafter.config
     with torch.no_grad():
-        feats = train.target_features(target, out, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
-    acc = train.response_acceptance(drafter, target, out, lengths, ids.shape[1], feats, contextlib.nullcontext, chunk=7)
+        feats, _, _ = features.target_forward(target, out, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
+    acc = evaluate.response_acceptance(drafter, target, forward.LossHead.of(drafter, target), out, lengths, ids.shape[1], feats,
+                                       contextlib.nullcontext, chunk=7)
     steps = losses.greedy_verifier_steps(acc["selector"].tolist())
     # every step but the last (where generation drafts one token less, to leave room for its own token)
     assert len(steps) == len(accepted)
@@ -353,7 +355,7 @@ def test_on_policy_dev_acceptance_equals_what_generation_measures(accepting, gen
 
 
 def test_greedy_verifier_steps_walk_from_the_first_anchor():
-    from dflash2_tools.losses import greedy_verifier_steps
+    from dflash2_tools.training.loss import greedy_verifier_steps
 
     assert greedy_verifier_steps([3, 9, 9, 1, 2, 9, 1]) == [3, 1, 2, 1]  # anchors 0, 3, 4, 6
     assert greedy_verifier_steps([1] * 4) == [1, 1, 1, 1] and greedy_verifier_steps([]) == []

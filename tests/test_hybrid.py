@@ -228,7 +228,7 @@ def test_stats_report_each_proposer(gen_module, forced):
 def test_drafts_after_skipped_drafter_steps_equal_training_time_drafts(accepting, gen_module):
     """Steps where the n-gram is certain skip the drafter; the context features of the tokens they
     commit wait and enter the next draft. Those drafts equal training's (one forward, all anchors)."""
-    from dflash2_tools import train
+    from dflash2_tools.training import features, forward
 
     target, drafter, prompts = accepting  # the default rule: certain on 4-token matches only
     ids = torch.tensor([prompts[2][:9]])  # new text first (the drafter drafts), then the target loops (skips)
@@ -249,8 +249,8 @@ def test_drafts_after_skipped_drafter_steps_equal_training_time_drafts(accepting
     cfg = drafter.config
     anchors = torch.tensor([[a for a, _ in drafts]])  # [1, n]
     with torch.no_grad():
-        feats = train.target_features(target, out, torch.tensor([out.shape[1]]), cfg.target_layer_ids, cfg.target_hidden_reduction)
-        hidden, logits, _, anchor_ids = train.blocks_forward(drafter, target, out, torch.tensor([out.shape[1]]), anchors,
+        feats, _, _ = features.target_forward(target, out, torch.tensor([out.shape[1]]), cfg.target_layer_ids, cfg.target_hidden_reduction)
+        hidden, logits, _, anchor_ids = forward.blocks_forward(drafter, target, forward.LossHead.of(drafter, target, "full"), out, torch.tensor([out.shape[1]]), anchors,
                                                              torch.ones_like(anchors, dtype=torch.bool), feats)
         walk = drafter.candidate_selector.walk(hidden[0], logits[0], anchor_ids[0])  # [n, B-1]
     for i, (_, drafted) in enumerate(drafts):

@@ -168,29 +168,35 @@ def test_sampling_matches_target_distribution(arch):
 def test_train_step_on_hyperconnection_target():
     from types import SimpleNamespace
 
-    from dflash2_tools import train
+    from dflash2_tools.training import batches, features, forward, model
 
     target = tiny_glm5_next()
     args = SimpleNamespace(layers=2, num_context_layers=3, target_layer_ids=None, intermediate_size=48, heads=4, kv_heads=2,
                            sliding_window=None, block_size=4, mask_token_id=VOCAB - 2, no_conv=False, conv_group_size=8,
                            no_selector=False, selector_rank=8, selector_top_k=5, target_name="tiny-glm5_next",
-                           blocks_per_seq=6, gamma=None, selector_weight=1.0)
-    cfg = train.build_drafter_config(target, args)
+                           blocks_per_seq=6, gamma=None, selector_weight=1.0, position_weighting="chain", chain_floor=0.1,
+                           distill_weight=1.0)
+    cfg = model.build_drafter_config(target, args)
     assert cfg.target_hidden_reduction == "mean" and cfg.target_model_type == "glm5_next"
+    cfg.draft_vocab_ids = list(range(1, VOCAB, 3))
     drafter = root.model_class()._from_config(cfg).train()
+    head = forward.LossHead.of(drafter, target)
     seqs = [(torch.randint(1, VOCAB, (n,)).tolist(), 3) for n in (14, 20)]
-    tokens, lengths, prompt_lengths = train.collate(seqs, pad_id=0)
-    feats = train.target_features(target, tokens, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction)
+    tokens, lengths, prompt_lengths = batches.collate(seqs, pad_id=0)
+    feats, logp, cols = features.target_forward(target, tokens, lengths, cfg.target_layer_ids, cfg.target_hidden_reduction,
+                                                head.module, 4, drafter.draft_logits)
     assert feats.shape == (2, 20, 3 * 40)  # streams reduced: [b, T, n_layers * H]
+    assert logp.shape == cols.shape == (2, 20, 4) and int(cols.max()) < len(cfg.draft_vocab_ids)  # teacher over draft columns
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     losses = []
     for step in range(4):
-        loss, _ = train.compute_loss(drafter, target, (tokens, lengths, prompt_lengths), feats, torch.Generator().manual_seed(0), args)
+        loss, metrics = forward.compute_loss(drafter, target, head, (tokens, lengths, prompt_lengths), feats,
+                                             torch.Generator().manual_seed(0), args, (logp, cols))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < losses[0]
+    assert "distill" in metrics and losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("index_topk,consistent", [(64, True), (8, False)])

@@ -86,6 +86,18 @@ def test_learning_curve_chains_consecutive_runs(tmp_path):
     points = plots.learning_curve([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "lc.png")
     assert [(p["step"], p["tokens_seen"], p["run"]) for p in points] == [(100, 1000, 0), (200, 2000, 0), (250, 2700, 1)]
     assert (tmp_path / "lc.png").stat().st_size > 0 and json.loads((tmp_path / "lc.json").read_text()) == points
+    # runs that log their training CPU time also get a CPU-hours axis; consecutive runs add up
+    def timed_log(path, rows):
+        path.write_text("".join(json.dumps({"step": s, "tokens_seen": s * 10, "loss": None if c is None else 1.0,
+                                            **({} if c is None else {"train_cpu_seconds": c}), "dev": {
+            "acceptance_length_argmax": 1.1, "on_policy_acceptance_length_argmax": 1.2, "top1_per_position": [0.5]}}) + "\n"
+            for s, c in rows))
+
+    timed_log(tmp_path / "c.jsonl", [(0, None), (10, 1800.0), (20, 3600.0)])
+    timed_log(tmp_path / "d.jsonl", [(0, None), (5, 7200.0)])
+    points = plots.learning_curve([tmp_path / "c.jsonl", tmp_path / "d.jsonl"], tmp_path / "lc2.png")
+    assert [p["cpu_hours"] for p in points] == [0.0, 0.5, 1.0, 1.0, 3.0]
+    assert [p["on_policy_argmax"] for p in points] == [1.2] * 5
 
 
 def test_draft_vocabulary_from_training_responses_only(tmp_path, capsys):
@@ -95,7 +107,7 @@ def test_draft_vocabulary_from_training_responses_only(tmp_path, capsys):
     from conftest import tiny_drafter
 
     from dflash2_tools import draft_vocab
-    from dflash2_tools.train import DEV_EVERY, is_dev_sequence
+    from dflash2_tools.training.data import DEV_EVERY, is_dev_sequence
 
     prompts_, responses = [], []
     for i in range(2 * DEV_EVERY):

@@ -1,6 +1,6 @@
 """Export a training checkpoint to a Hub-ready drafter folder (the repository root by default).
 
-    python -m dflash2_tools.export --checkpoint runs/smollm2/checkpoint
+    python -m dflash2_tools.training.export --checkpoint runs/smollm2/checkpoint
 
 Writes ``model.safetensors`` (official tensor names, bf16, no target weights),
 ``config.json`` (top-level + nested ``dflash_config``, ``auto_map``) and the target's
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from . import drafter as root
-from .target import EMBEDDED_TARGET, resolve_target
+from .. import drafter as root
+from ..target import EMBEDDED_TARGET, resolve_target
 
 EXPORTED = ("config.json", "model.safetensors")
 

@@ -1,4 +1,4 @@
-"""Training objective of a DFlash 2 drafter (SPEC section 2c), as pure functions.
+"""Stage 5, loss: the training objective of a DFlash 2 drafter (SPEC section 2c), as pure functions.
 
 Many blocks per sequence are trained in ONE drafter forward: block b starts at a random
 anchor a_b (a response token), holds ``[tok[a_b], MASK, ..., MASK]`` and predicts
@@ -6,7 +6,16 @@ anchor a_b (a response token), holds ``[tok[a_b], MASK, ..., MASK]`` and predict
 block only (``multi_block_training_mask``), exactly what it sees at inference.
 
     loss = sum_k w_k CE(draft_logits_k, tok[a + k]) / sum_k w_k          w_k = exp(-(k-1)/gamma)
+         + distill_weight * sum_k w_k H(p_target(. | tok[<a+k]), q_k) / sum_k w_k   (teacher top-k)
          + selector_weight * CE(S_k(tok[a + k - 1], top-K_k), tok[a + k])   (only where tok[a+k] is in the top-K)
+
+Logits cover the drafter's vocabulary: the draft vocabulary's columns when it has one (the
+rows the drafter drafts from at inference; the full 49,152-row head made the loss ~10x dearer),
+so labels are mapped to columns first (``label_columns``; a token outside the draft vocabulary
+cannot be drafted and is left out of the CE). With ``chain`` weighting, w_k also carries the
+drafter's own detached probability of having drafted tok[a+1..a+k-1] right, the chance that
+position k is ever verified (an acceptance-tracking weight in the spirit of first-error /
+dynamic position weights), floored so that no position is dropped.
 """
 
 from __future__ import annotations
@@ -66,23 +75,82 @@ def block_inputs(
     return ids.view(b, n * block_size), labels
 
 
+def column_map(vocab_size: int, vocab_ids: list[int] | None, device=None) -> torch.Tensor | None:
+    """[V] token id -> column of the draft vocabulary (IGNORE outside it); None without a draft vocabulary."""
+    if vocab_ids is None:
+        return None
+    out = torch.full((vocab_size,), IGNORE, dtype=torch.long, device=device)
+    out[torch.as_tensor(vocab_ids, device=device)] = torch.arange(len(vocab_ids), device=device)
+    return out
+
+
+def label_columns(labels: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+    """Token-id labels -> logit columns (identity without a draft vocabulary); IGNORE stays IGNORE."""
+    if columns is None:
+        return labels
+    return torch.where(labels == IGNORE, labels, columns[labels.clamp(min=0)])
+
+
 def block_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [b, n, B-1, V], labels [b, n, B-1], weights [B-1] -> weighted mean CE over valid positions."""
+    """logits [b, n, B-1, V], labels (columns) [b, n, B-1], weights [B-1] or [b, n, B-1] -> weighted mean CE."""
     ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
     ce = ce.view(labels.shape)  # [b, n, B-1]
-    w = weights.to(ce.device)[None, None, :] * (labels != IGNORE)  # [b, n, B-1]
+    w = _weights(weights, labels) * (labels != IGNORE)  # [b, n, B-1]
     return (ce * w).sum() / w.sum().clamp(min=1e-8)
 
 
+def _weights(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return weights.to(like.device).expand(like.shape) if weights.dim() == 1 else weights.to(like.device)
+
+
+def teacher_at_blocks(teacher: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-token teacher rows [b, T, k] -> rows predicting each block label [b, n, B-1, k].
+
+    Block position k (1..B-1) predicts tok[a + k]: the target's distribution at position a + k - 1.
+    """
+    b, T, k = teacher.shape
+    n = anchors.shape[1]
+    pos = (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)).clamp(max=T - 1)  # [b, n, B-1]
+    return teacher.gather(1, pos.view(b, -1, 1).expand(-1, -1, k)).view(b, n, block_size - 1, k)  # [b, n, B-1, k]
+
+
+def distillation_cross_entropy(logits, teacher_logp, teacher_cols, valid, weights) -> torch.Tensor:
+    """H(p, q) of the drafter's q against the target's top-k p (renormalised over the k), weighted mean.
+
+    logits [b, n, B-1, V]; teacher_logp / teacher_cols [b, n, B-1, k]; valid [b, n, B-1] bool.
+    """
+    p = torch.softmax(teacher_logp.float(), dim=-1)  # [b, n, B-1, k]
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, teacher_cols)  # [b, n, B-1, k]
+    ce = -(p * log_q).sum(-1)  # [b, n, B-1]
+    w = _weights(weights, ce) * valid
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def chain_weights(logits: torch.Tensor, labels: torch.Tensor, decay: torch.Tensor, floor: float) -> torch.Tensor:
+    """Acceptance-tracking weights [b, n, B-1]: decay_k * max(prod_{j<k} q_j(tok[a+j]), floor), detached.
+
+    labels are columns; a position after an undraftable (IGNORE) label gets the floor.
+    """
+    with torch.no_grad():
+        log_q = torch.log_softmax(logits.detach().float(), dim=-1)
+        hit = log_q.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).exp() * (labels != IGNORE)  # [b, n, B-1]
+        survive = torch.cat([torch.ones_like(hit[..., :1]), hit[..., :-1].cumprod(-1)], dim=-1)  # [b, n, B-1]
+        return decay.to(hit.device) * survive.clamp(min=floor)
+
+
 def selector_cross_entropy(
-    selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+    vocab_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selector term: S_k over the top-K with the predecessor teacher-forced to the true token.
 
-    hidden [b, n, B-1, H], logits [b, n, B-1, V], anchor_ids [b, n], labels [b, n, B-1].
+    hidden [b, n, B-1, H], logits [b, n, B-1, V], anchor_ids [b, n], labels (token ids) [b, n, B-1];
+    vocab_ids [V] maps logit columns to token ids when the logits cover a draft vocabulary.
     Positions whose true token is outside the top-K are skipped. Returns (loss, fraction in top-K).
     """
     top_values, top_ids = logits.detach().float().topk(selector.top_k, dim=-1)  # [b, n, B-1, K]
+    if vocab_ids is not None:
+        top_ids = vocab_ids[top_ids]  # [b, n, B-1, K] columns -> token ids
     predecessors = torch.cat([anchor_ids[:, :, None], labels[:, :, :-1]], dim=-1).clamp(min=0)  # [b, n, B-1]
     gated = selector.hidden_projection(hidden).float()  # [b, n, B-1, R]
     scores = selector.scores(gated, top_values, top_ids, predecessors)  # [b, n, B-1, K]
@@ -90,7 +158,7 @@ def selector_cross_entropy(
     in_top = hit.any(-1) & (labels != IGNORE)  # [b, n, B-1]
     target = hit.float().argmax(-1)  # [b, n, B-1]
     ce = F.cross_entropy(scores.flatten(0, 2), target.flatten(), reduction="none").view(labels.shape)
-    w = weights.to(ce.device)[None, None, :] * in_top
+    w = _weights(weights, ce) * in_top
     covered = in_top.sum() / (labels != IGNORE).sum().clamp(min=1)
     return (ce * w).sum() / w.sum().clamp(min=1e-8), covered
 

@@ -1,0 +1,116 @@
+"""Ablations of the training recipe at a fixed CPU budget: each lever alone and all combined.
+
+    python -m dflash2_tools.training.ablate --out runs/ablate --budget-cpu-minutes 10 --train-limit 600
+
+Every run starts from scratch on the same training subset (the first ``--train-limit`` training
+sequences), trains for the same CPU time of its own process (``--budget-cpu-minutes``, the
+cosine schedule following it), and is evaluated on the same dev sequences: on-policy acceptance
+(what the plain call measures on the target's own greedy data), argmax and selector. The feature
+store is filled before the runs (its one-off cost is printed, not charged to a run: it is paid
+once per data set and shared by every later run and epoch). Resumable: a finished run is
+skipped, an interrupted one resumes. Writes ``OUT/ablations.json``, a markdown table and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from .loop import main as train_main
+
+DATA = ["data/smollm2-sharegpt-fp32-128", "data/smollm2-sharegpt-fp32", "data/smollm2-sharegpt"]
+FAST = ["--loss-vocab", "draft", "--feature-cache", "disk"]
+RUNS = {  # name -> flags on top of the common ones
+    "old recipe": ["--loss-vocab", "full", "--feature-cache", "online"],
+    "throughput (draft-vocab CE + stored features)": FAST,
+    "throughput + distillation": FAST + ["--distill-weight", "1"],
+    "throughput + chain weighting": FAST + ["--position-weighting", "chain"],
+    "throughput + init from target": FAST + ["--init-from-target"],
+    "all levers": FAST + ["--distill-weight", "1", "--position-weighting", "chain", "--init-from-target"],
+}
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").replace("--", "-")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/ablate")
+    ap.add_argument("--data", nargs="+", default=DATA)
+    ap.add_argument("--budget-cpu-minutes", type=float, default=10.0)
+    ap.add_argument("--train-limit", type=int, default=600)
+    ap.add_argument("--eval-sequences", type=int, default=32)
+    ap.add_argument("--feature-cache-dir", default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="run only these settings (names as in the table)")
+    ap.add_argument("--docs", default="docs/training", help="where the table, JSON and PNG go")
+    cli, extra = ap.parse_known_args(argv)
+    common = ["--data", *cli.data, "--mask-token-id", "16", "--max-response-tokens", "128", "--train-limit", str(cli.train_limit),
+              "--eval-sequences", str(cli.eval_sequences), "--eval-every", "1000000", "--save-every", "50", "--precision", "fp32",
+              "--budget-cpu-minutes", str(cli.budget_cpu_minutes), "--max-steps", "1000000", *extra]
+    if cli.feature_cache_dir:
+        common += ["--feature-cache-dir", cli.feature_cache_dir]
+    out = Path(cli.out)
+    t0 = time.time()
+    train_main(common + FAST + ["--out", str(out / "fill"), "--fill-features-only"])  # the one store every stored run reads
+    fills = {"features and teacher": time.time() - t0}
+    print(f"feature store ready in {fills['features and teacher']:.0f} s (wall, including the target load)", flush=True)
+    results = {}
+    for name, flags in RUNS.items():
+        if cli.only and name not in cli.only:
+            continue
+        run = out / slug(name)
+        log = run / "log.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        if not records or records[-1].get("train_cpu_seconds", 0) < cli.budget_cpu_minutes * 60:
+            train_main(common + flags + ["--out", str(run)])
+            records = [json.loads(line) for line in log.read_text().splitlines()]
+        last = records[-1]
+        results[name] = {"flags": flags, "steps": last["step"], "block_positions": last["block_positions"],
+                         "train_cpu_seconds": last["train_cpu_seconds"], "dev": last["dev"]}
+        print(f"{name}: {json.dumps(results[name]['dev'])}", flush=True)
+    docs = Path(cli.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    summary = {"budget_cpu_minutes": cli.budget_cpu_minutes, "train_limit": cli.train_limit, "data": cli.data,
+               "eval_sequences": cli.eval_sequences, "fill_wall_seconds": fills, "runs": results,
+               "command": "python -m dflash2_tools.training.ablate " + " ".join(argv or [])}
+    (docs / "ablations.json").write_text(json.dumps(summary, indent=1))
+    (docs / "ablations.md").write_text(table(summary))
+    plot(summary, docs / "ablations.png")
+    print(table(summary))
+
+
+def table(summary) -> str:
+    rows = ["| setting | steps | block positions | on-policy acceptance (selector) | (argmax) | top-1 pos 1 | top-1 pos 7 |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in summary["runs"].items():
+        dv = r["dev"]
+        rows.append(f"| {name} | {r['steps']} | {r['block_positions']:,} | {dv.get('on_policy_acceptance_length_selector', float('nan')):.3f} "
+                    f"| {dv['on_policy_acceptance_length_argmax']:.3f} | {dv['top1_per_position'][0]:.3f} | {dv['top1_per_position'][-1]:.3f} |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(summary, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["runs"])
+    values = [summary["runs"][n]["dev"].get("on_policy_acceptance_length_selector", float("nan")) for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.2))
+    ax.barh(names[::-1], values[::-1], color="tab:blue")
+    for y, v in enumerate(values[::-1]):
+        ax.text(v, y, f" {v:.3f}", va="center")
+    ax.set_xlabel("on-policy acceptance length (tokens per target forward), dev")
+    ax.set_title(f"Training levers at {summary['budget_cpu_minutes']:g} CPU-minutes each, from scratch")
+    ax.set_xlim(1.0, max(values) * 1.08 if values else 2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

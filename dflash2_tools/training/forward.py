@@ -1,0 +1,100 @@
+"""The drafter side of a training step: many blocks drafted in ONE forward, and the step's loss.
+
+Block i at anchor a_i holds ``[tok[a_i], MASK, ..., MASK]``, sees the target features of tokens
+< a_i and its own block only (``multi_block_training_mask``), exactly what it sees at inference.
+Logits go through ``LossHead``: the rows the drafter drafts from (its draft vocabulary, or the
+target's full head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import drafter as root
+from .loss import (
+    IGNORE,
+    block_cross_entropy,
+    block_inputs,
+    chain_weights,
+    column_map,
+    distillation_cross_entropy,
+    label_columns,
+    position_weights,
+    sample_anchors,
+    selector_cross_entropy,
+    teacher_at_blocks,
+)
+
+
+@dataclass
+class LossHead:
+    """The head logits are computed through, and how its columns map to token ids."""
+
+    module: torch.nn.Module  # the target's LM head or a DraftVocabHead of its rows
+    vocab_ids: torch.Tensor | None  # [V'] column -> token id (None: columns are token ids)
+    columns: torch.Tensor | None  # [V] token id -> column or IGNORE
+    logit_fn: object = None  # the drafter's draft_logits: (head, hidden) -> logits with the target's transforms
+
+    @classmethod
+    def of(cls, drafter, target, vocab: str = "draft") -> "LossHead":
+        """``vocab="draft"``: the draft vocabulary's rows when the drafter has one; ``"full"``: the whole head."""
+        lm_head = target.get_output_embeddings()
+        ids = drafter.config.draft_vocab_ids if vocab == "draft" else None
+        if ids is None:
+            return cls(lm_head, None, None, drafter.draft_logits)
+        module = root.modeling().DraftVocabHead(lm_head, ids)
+        return cls(module, module.vocab_ids, column_map(drafter.config.vocab_size, ids, lm_head.weight.device), drafter.draft_logits)
+
+
+def blocks_forward(drafter, target, head: LossHead, tokens, lengths, anchors, valid, features):
+    """The blocks at ``anchors`` [b, n] in ONE drafter forward under the multi-block training mask.
+
+    Returns (hidden [b, n, B-1, H], logits [b, n, B-1, V'], labels (token ids) [b, n, B-1], anchor ids [b, n]).
+    """
+    M = root.modeling()
+    cfg = drafter.config
+    B = cfg.block_size
+    b, n_blocks = anchors.shape
+    ids, labels = block_inputs(tokens.cpu(), lengths.cpu(), anchors.cpu(), valid.cpu(), B, cfg.mask_token_id)
+    dev = tokens.device
+    ids, labels, anchors = ids.to(dev), labels.to(dev), anchors.to(dev)
+    T = tokens.shape[1]
+    noise = drafter.embed_block(target.get_input_embeddings(), ids)  # [b, n*B, H]
+    positions = torch.cat(
+        [torch.arange(T, device=dev)[None].expand(b, -1), (anchors[:, :, None] + torch.arange(B, device=dev)).view(b, -1)], dim=1
+    )  # [b, T + n*B]
+    mask = M.multi_block_training_mask(anchors, B, T, cfg.sliding_window)  # [b, 1, n*B, T + n*B]
+    out = drafter(noise_embeds=noise, context_hidden_states=features.to(noise.dtype), position_ids=positions, attention_mask=mask)
+    hidden = out.last_hidden_state.view(b, n_blocks, B, -1)[:, :, 1:]  # [b, n, B-1, H]
+    logits = drafter.draft_logits(head.module, hidden)  # [b, n, B-1, V']
+    anchor_ids = ids.view(b, n_blocks, B)[:, :, 0]  # [b, n]
+    return hidden, logits, labels, anchor_ids
+
+
+def compute_loss(drafter, target, head: LossHead, batch, features, generator, args, teacher=None):
+    """Loss of ``args.blocks_per_seq`` random-anchor blocks per sequence -> (loss, metrics).
+
+    teacher: (log-probs [b, T, k], columns [b, T, k]) per token, or None (no distillation).
+    """
+    tokens, lengths, prompt_lengths = batch
+    anchors, valid = sample_anchors(lengths, prompt_lengths, args.blocks_per_seq, generator)
+    hidden, logits, labels, anchor_ids = blocks_forward(drafter, target, head, tokens, lengths, anchors, valid, features)
+    B = drafter.config.block_size
+    decay = position_weights(B, args.gamma, device=logits.device)
+    cols = label_columns(labels, head.columns)  # [b, n, B-1]
+    weights = chain_weights(logits, cols, decay, args.chain_floor) if args.position_weighting == "chain" else decay
+    loss = block_cross_entropy(logits, cols, weights)
+    metrics = {"ce": float(loss.detach())}
+    if teacher is not None and args.distill_weight > 0:
+        anchors = anchors.to(logits.device)
+        logp, tcols = (teacher_at_blocks(t.to(logits.device), anchors, B) for t in teacher)  # [b, n, B-1, k] each
+        kd = distillation_cross_entropy(logits, logp, tcols, labels != IGNORE, weights)
+        loss = loss + args.distill_weight * kd
+        metrics["distill"] = float(kd.detach())
+    if drafter.candidate_selector is not None and args.selector_weight > 0:
+        sel, covered = selector_cross_entropy(drafter.candidate_selector, hidden, logits, anchor_ids, labels, weights, head.vocab_ids)
+        loss = loss + args.selector_weight * sel
+        metrics.update(selector_ce=float(sel.detach()), topk_coverage=float(covered))
+    return loss, metrics
