@@ -39,6 +39,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .ngram_dflash2 import HybridRule, NgramIndex, StepCosts
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats, collect_stats, trace_proposals
 from .rollback_dflash2 import LinearStateRollback, check_rollback_supported
+from .tree_dflash2 import tree_decoding
 
 TESTED_TRANSFORMERS = (version.parse("5.23.0"), version.parse("5.24.0"))  # [min, max)
 TESTED_RANGE_TEXT = "transformers>=5.23,<5.24"
@@ -326,14 +327,19 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     def _draft(self, input_ids, model_kwargs, n_draft: int) -> Draft:
         """One drafter forward over the pending context features + [anchor, MASK * (B-1)]; the selector's path."""
+        hidden = self.draft_hidden(input_ids, model_kwargs.get("attention_mask") if model_kwargs else None)  # [1, B-1, H]
+        return propose(self.drafter, self.lm_head, hidden[:, :n_draft], input_ids[:, -1], self.temperature)
+
+    def draft_hidden(self, input_ids, attention_mask=None) -> torch.Tensor:
+        """The drafter's hiddens [1, B-1, H] at the block's drafted positions, anchored at ``input_ids[:, -1]``;
+        the pending context features enter the drafter cache, the block's K/V are cropped back off."""
         block = self.config.block_size
         features = torch.cat(self.pending_features, dim=1)  # [1, n_new, n*H]
         self.pending_features = []
         n_new = features.shape[1]
-        anchor = input_ids[:, -1]  # [1]
         block_ids = torch.cat([input_ids[:, -1:], input_ids.new_full((1, block - 1), self.config.mask_token_id)], dim=1)
         position_ids = torch.arange(self.committed, self.committed + n_new + block, device=input_ids.device)[None]
-        mask = model_kwargs.get("attention_mask") if model_kwargs else None
+        mask = attention_mask
         if mask is not None:
             mask = torch.cat([mask[:, : self.committed + n_new], mask.new_ones((1, block))], dim=1)
         out = self.drafter(
@@ -345,7 +351,28 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         )
         self.cache.crop(-block)  # keep the context K/V only
         self.committed += n_new
-        return propose(self.drafter, self.lm_head, out.last_hidden_state[:, 1 : 1 + n_draft], anchor, self.temperature)
+        return out.last_hidden_state[:, 1:]  # [1, B-1, H]
+
+    # ---- what the tree loop (tree_dflash2.py) reads from the verification forward ----------------------------
+
+    @property
+    def prompt_length(self) -> int:
+        return self._prompt_length
+
+    @property
+    def start_time(self) -> float:
+        return self._start
+
+    def prompt_features(self, hidden_states, n_tokens: int) -> torch.Tensor:
+        """[1, n_tokens, n*H] context features of the prefill (and records the prompt length)."""
+        self._prompt_length = n_tokens
+        return context_features(hidden_states, self.config.target_layer_ids, n_tokens, self.config.target_hidden_reduction)
+
+    def node_features(self, hidden_states, nodes: list[int]) -> torch.Tensor:
+        """[1, len(nodes), n*H] context features of the given positions of a (tree) forward."""
+        index = torch.tensor(nodes, device=hidden_states[self.config.target_layer_ids[0] + 1].device)
+        return torch.cat([reduce_streams(hidden_states[l + 1].index_select(1, index), self.config.target_hidden_reduction)
+                          for l in self.config.target_layer_ids], dim=-1)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         proposer, self.last_proposer = self.last_proposer, None
@@ -376,13 +403,28 @@ _UNSUPPORTED_MODE_HELP = {
 
 
 def install_assisted_generation_hook() -> None:
-    """Route ``generate(assistant_model=<DFlash 2 drafter>)`` to DFlash2CandidateGenerator. Idempotent."""
+    """Route ``generate(assistant_model=<DFlash 2 drafter>)`` to DFlash2CandidateGenerator (and, with
+    ``drafter.config.tree_budget``, the assisted loop to tree verification). Idempotent."""
     from transformers.generation.utils import GenerationMixin
 
     if getattr(GenerationMixin._get_candidate_generator, "_dflash2_hook", False):
         return
     original_get = GenerationMixin._get_candidate_generator
     original_validate = GenerationMixin._validate_generation_mode
+    original_assisted = GenerationMixin._assisted_decoding
+
+    @functools.wraps(original_assisted)
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None, tokenizer=None,
+                           **model_kwargs):
+        drafter = assistant_model
+        if (drafter is not None and is_dflash2_drafter(drafter) and getattr(drafter.config, "tree_budget", None)
+                and generation_config.speculation_type != "dflash"):
+            own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
+            return own.tree_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                                      make_generator=own.DFlash2CandidateGenerator, **model_kwargs)
+        return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                                 inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)
 
     @functools.wraps(original_get)
     def _get_candidate_generator(self, *args, **kwargs):
@@ -433,6 +475,7 @@ def install_assisted_generation_hook() -> None:
     _get_candidate_generator._dflash2_hook = True
     GenerationMixin._get_candidate_generator = _get_candidate_generator
     GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._assisted_decoding = _assisted_decoding
 
 
 def dflash2_generate(target, drafter, inputs=None, **generate_kwargs):

@@ -25,7 +25,7 @@ class DFlash2Stats:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     rollback_seconds: float = 0.0  # stateful targets: snapshot + replay of linear-attention states
-    proposers: list[str] = field(default_factory=list)  # per step: "dflash2" (block draft), "ngram" (prompt lookup), "none" (nothing verified)
+    proposers: list[str] = field(default_factory=list)  # per step: "dflash2" (block draft), "ngram" (prompt lookup), "dflash2-tree", "none" (nothing verified)
     per_proposer: dict = field(default_factory=dict)  # proposer -> {"steps", "drafted", "accepted"}
 
     def __post_init__(self):
@@ -33,7 +33,9 @@ class DFlash2Stats:
         self.drafted_per_position = self.drafted_per_position or [0] * n
         self.accepted_per_position = self.accepted_per_position or [0] * n
 
-    def record_step(self, drafted: int, accepted: int, proposer: str = "dflash2") -> None:
+    def record_step(self, drafted: int, accepted: int, proposer: str = "dflash2", depth: int | None = None) -> None:
+        """One verification: ``drafted`` tokens (tree: nodes) proposed, ``accepted`` of them kept. Per-position
+        rates count block drafts by position and trees by depth (``depth``: the tree's deepest node)."""
         self.accept_lengths.append(accepted + 1)
         self.proposers.append(proposer)
         self.drafted += drafted
@@ -42,9 +44,9 @@ class DFlash2Stats:
         counts["steps"] += 1
         counts["drafted"] += drafted
         counts["accepted"] += accepted
-        if proposer != "dflash2":  # per-position rates are the block draft's (an n-gram run may be longer)
+        if proposer not in ("dflash2", "dflash2-tree"):  # per-position rates are the drafter's (an n-gram run may be longer)
             return
-        for i in range(drafted):
+        for i in range(min(drafted if depth is None else depth, len(self.drafted_per_position))):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < accepted)
 

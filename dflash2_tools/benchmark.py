@@ -18,6 +18,9 @@ own ``generate``:
   (``draft_vocab_ids``; run only when the drafter has one): what the sub-vocabulary saves and costs
 * ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
   (``num_assistant_tokens=N``): on a compute-bound CPU each verified token costs real time
+* ``dflash2-tree``: tree verification (``tree_dflash2.py``): a best-first tree of ``--tree-budget``
+  nodes through the top-K lattice in one target forward; ``dflash2-tree+ngram`` adds the n-gram
+  continuation as one more branch
 
 Acceptance length for every method = new tokens / target forwards after the prefill (a counter
 on the target's forward), so the numbers are comparable. Every greedy output is checked against
@@ -41,7 +44,7 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-fullvocab")
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab")
 
 
 def method_rank(method: str) -> tuple[int, int]:
@@ -89,7 +92,18 @@ def full_vocabulary(drafter):
         drafter.config.draft_vocab_ids = saved
 
 
-def run_method(method, target, drafter, inputs, gen_kw, counter):
+@contextlib.contextmanager
+def tree_budget(drafter, budget):
+    """Tree verification with ``budget`` nodes for the duration of one call."""
+    saved = drafter.config.tree_budget
+    drafter.config.tree_budget = budget
+    try:
+        yield
+    finally:
+        drafter.config.tree_budget = saved
+
+
+def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int = 16):
     gen = root.generation_of(drafter)
     kw = dict(gen_kw)
     stats = None
@@ -106,10 +120,11 @@ def run_method(method, target, drafter, inputs, gen_kw, counter):
             kw["num_assistant_tokens"] = int(method[len("dflash2-d"):])
         if method.startswith("dflash2+ngram-k"):
             kw["prompt_lookup_num_tokens"] = int(method[len("dflash2+ngram-k"):])
-        elif not method.startswith("dflash2+ngram"):
+        elif not method.startswith(("dflash2+ngram", "dflash2-tree+ngram")):
             kw["prompt_lookup_num_tokens"] = 0  # the block draft alone
         head = full_vocabulary(drafter) if method == "dflash2-fullvocab" else contextlib.nullcontext()
-        with head, gen.collect_stats() as runs:
+        tree = tree_budget(drafter, tree_nodes if method.startswith("dflash2-tree") else None)
+        with head, tree, gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
         stats = runs[-1] if runs else None
     else:
@@ -145,7 +160,7 @@ def benchmark(args):
         sets = {name: load_prompt_set(name)[: args.limit] for name in args.prompt_sets}
         warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
         for method in methods:  # warm-up every path once
-            run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter)
+            run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget)
         total = sum(len(v) for v in sets.values()) * len(args.temperatures)
         bar = tqdm(total=total, desc=f"benchmark {dtype_name}", unit="prompt")
         for set_name, records in sets.items():
@@ -157,7 +172,7 @@ def benchmark(args):
                     reference = None
                     for method in methods:
                         torch.manual_seed(0)
-                        out, row = run_method(method, target, drafter, inputs, gen_kw, counter)
+                        out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget)
                         if method == "target":
                             reference = out
                         row.update(dtype=dtype_name, prompt_set=set_name, prompt_id=rec["id"], method=method, temperature=temperature,
@@ -275,6 +290,7 @@ def main(argv=None):
                     help="also run DFlash 2 verifying only N drafted tokens per step (method dflash2-dN)")
     ap.add_argument("--ngram-tokens", nargs="*", type=int, default=[],
                     help="also run the hybrid with n-gram continuations of up to N tokens (method dflash2+ngram-kN)")
+    ap.add_argument("--tree-budget", type=int, default=16, help="tree nodes per step of the dflash2-tree methods")
     ap.add_argument("--out", default="docs/bench")
     ap.add_argument("--replot", action="store_true", help="only redraw benchmark.png from --out's results.json")
     args = ap.parse_args(argv)

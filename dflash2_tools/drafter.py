@@ -7,16 +7,19 @@ trust_remote_code=True)`` would.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "ngram_dflash2.py", "rollback_dflash2.py", "stats_dflash2.py")
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "ngram_dflash2.py", "rollback_dflash2.py", "stats_dflash2.py", "tree_dflash2.py")
 
 
+@functools.lru_cache(maxsize=None)
 def modeling(repo: str | Path = REPO_ROOT):
-    """The root ``modeling_dflash2`` module, imported as remote code."""
+    """The root ``modeling_dflash2`` module, imported as remote code (once per folder and process: the
+    training loop asks every step, and a long run must not pick up files edited under it)."""
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     cls = get_class_from_dynamic_module("modeling_dflash2.DFlash2DraftModel", str(repo))
@@ -35,6 +38,11 @@ def _sibling(name: str, repo: str | Path = REPO_ROOT):
 
 def generation(repo: str | Path = REPO_ROOT):
     return _sibling("generation_dflash2", repo)
+
+
+def tree(repo: str | Path = REPO_ROOT):
+    """The root ``tree_dflash2`` module (tree verification)."""
+    return _sibling("tree_dflash2", repo)
 
 
 def generation_of(drafter):

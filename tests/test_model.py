@@ -358,6 +358,9 @@ def test_logit_transforms():
         (dict(draft_vocab_ids=[1, 2, 3]), "fewer than selector_top_k"),
         (dict(hybrid_ngram={"num_token": 3}), "hybrid_ngram has unknown keys"),
         (dict(hybrid_ngram={"min_n": 3, "max_n": 2}), "1 <= min_n <= max_n"),
+        (dict(tree_budget=-1), "tree_budget must be"),
+        (dict(tree_budget=2.5), "tree_budget must be"),
+        (dict(tree_budget=True), "tree_budget must be"),
     ],
 )
 def test_config_validation_errors(overrides, message):

@@ -1,0 +1,190 @@
+"""Tree verification (tree_dflash2.py): construction, mask, cache compaction, exact greedy and sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FREE_COSTS, VOCAB, root, tiny_drafter, tiny_target
+from test_sampling import N_NEW, SAMPLES, _processors, chi_square_p_value, exact_joint
+from test_sampling import setup  # noqa: F401  (fixture: the sampling tests' flat target and far proposal)
+from transformers import TextStreamer
+
+from dflash2_tools.tiny_targets import tiny_glm5_next
+
+
+@pytest.fixture(scope="module")
+def tree_module():
+    return root.tree()
+
+
+def test_best_first_tree_keeps_the_most_probable_nodes(tree_module):
+    candidates = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])  # [n=3, K=3]
+    table = {0: [0.6, 0.3, 0.1], 1: [0.9, 0.05, 0.05], 2: [0.5, 0.4, 0.1]}  # position -> child probabilities
+    tree = tree_module.build_tree(7, candidates, lambda t, parent: torch.tensor(table[t]).log(), budget=4, max_depth=3)
+    # path probabilities: 10 .6, 10-20 .54, 11 .3, 10-20-30 .27 (beats 11-20 .27? tie broken by order), ...
+    assert tree.tokens[0] == 7 and len(tree) == 5
+    assert tree.tokens[1:] == [10, 20, 11, 30] or tree.tokens[1:] == [10, 20, 11, 20]
+    assert tree.parents[:3] == [-1, 0, 1] and tree.depths[:3] == [0, 1, 2]
+    for node in range(len(tree)):
+        kids = [tree.tokens[c] for c in tree.children[node]]
+        assert len(kids) == len(set(kids))  # distinct children: no duplicate paths
+    shallow = tree_module.build_tree(7, candidates, lambda t, parent: torch.tensor(table[t]).log(), budget=20, max_depth=1)
+    assert max(shallow.depths) == 1 and len(shallow) == 4  # depth limit (e.g. max_new_tokens) caps the tree
+    assert len(tree_module.build_tree(7, candidates, lambda t, p: torch.tensor(table[t]).log(), budget=0, max_depth=3)) == 1
+    # the n-gram branch shares the prefix it has in common with the tree
+    merged = tree_module.add_branch(tree, [10, 20, 99, 98])
+    assert len(merged) == 7 and merged.tokens[-2:] == [99, 98] and merged.parents[-2] == 2
+
+
+def test_ancestor_mask_and_tree_attention_mask(tree_module):
+    tree = tree_module.root_tree(5)
+    a = tree.add(1, 0)
+    b = tree.add(2, 0)
+    c = tree.add(3, a)
+    mask = tree.ancestor_mask()
+    assert mask[c].tolist() == [True, True, False, True] and mask[b].tolist() == [True, False, True, False]
+    full = tree_module.tree_attention_mask(tree, torch.tensor([1, 0, 1]), torch.float32)[0, 0]  # [N, 3 + N]
+    assert (full[:, 1] < -1e30).all() and (full[:, [0, 2]] == 0).all()  # the context's own padding stays masked
+    assert ((full[:, 3:] == 0) == mask).all()
+
+
+def test_cache_keeps_the_accepted_path_in_order(tree_module):
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    keys = torch.arange(7, dtype=torch.float32).view(1, 1, 7, 1).expand(1, 2, 7, 3).contiguous()  # past 3 + 4 nodes
+    cache.update(keys, keys + 100, 0)
+    tree_module.keep_cache_entries(cache, 3, [0, 2, 3])
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 6]
+    assert cache.layers[0].values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 105, 106]
+
+
+def test_walk_draws_exactly_from_p_for_any_candidate_set(tree_module):
+    """x is checked against the children first, then drawn from what is left: the law of x is p."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    tree = tree_module.root_tree(0)
+    for token in (3, 4, 2):  # children that do not follow p's order
+        tree.add(token, 0)
+    n = 6000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        path, bonus = tree_module.walk(tree, lambda i: p.log(), do_sample=True, generator=g)
+        counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
+    expected = {i: float(p[i]) for i in range(5)}
+    assert chi_square_p_value({i: int(counts[i]) for i in range(5)}, expected, n) > 1e-3
+
+    def no_renormalisation(tree, node_logits, do_sample, generator=None):  # accept c w.p. p(c), not p(c)/mass left
+        probs = torch.softmax(node_logits(0), -1)
+        for child in tree.children[0]:
+            if torch.rand((), generator=generator) < probs[tree.tokens[child]]:
+                return [0, child], -1
+        return [0], int(torch.multinomial(probs, 1, generator=generator))
+
+    counts = torch.zeros(5)
+    for _ in range(n):
+        path, bonus = no_renormalisation(tree, lambda i: p.log(), True, g)
+        counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
+    assert chi_square_p_value({i: int(counts[i]) for i in range(5)}, expected, n) < 1e-3  # the test has power
+
+
+@pytest.fixture(scope="module")
+def trained_pair():
+    from conftest import overfit_drafter
+
+    target = tiny_target("llama")
+    drafter, prompts = overfit_drafter(target, steps=60)
+    return target, drafter, prompts
+
+
+@pytest.mark.parametrize("budget", [1, 5, 24])
+@pytest.mark.parametrize("ngram", [0, 6])
+def test_tree_greedy_equals_the_target(trained_pair, monkeypatch, budget, ngram):
+    target, drafter, prompts = trained_pair
+    monkeypatch.setattr(drafter.config, "tree_budget", budget)
+    gen = root.generation_of(drafter)
+    for prompt in prompts[:3]:
+        ids = torch.tensor([prompt[:6]])
+        ref = target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+        out, stats = gen.dflash2_generate(target, drafter, ids, do_sample=False, max_new_tokens=40, eos_token_id=None,
+                                          pad_token_id=0, prompt_lookup_num_tokens=ngram)
+        assert torch.equal(out, ref)
+        assert set(stats.proposers) == {"dflash2-tree"} and stats.new_tokens == 40
+        assert sum(stats.accept_lengths) == 39  # the prefill's token comes first, every other one from a tree step
+    assert max(stats.accept_lengths) > 1  # the trees do get tokens accepted
+
+
+def test_tree_greedy_on_qwen3_with_processors_eos_and_max_length(monkeypatch):
+    from conftest import overfit_drafter
+
+    target = tiny_target("qwen3")
+    drafter, prompts = overfit_drafter(target, steps=40)
+    monkeypatch.setattr(drafter.config, "tree_budget", 8)
+    ids = torch.tensor([prompts[1][:7]])
+    for max_new in (1, 2, 5, 13):
+        kw = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
+        assert torch.equal(target.generate(ids, assistant_model=drafter, **kw), target.generate(ids, **kw))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+    eos = int(ref[0, ids.shape[1] + 9])  # a token the continuation emits: generation must stop right after it
+    kw = dict(do_sample=False, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kw), target.generate(ids, **kw))
+
+
+def test_tree_return_dict_scores_cache_and_streamer(trained_pair, monkeypatch, capsys):
+    target, drafter, prompts = trained_pair
+    monkeypatch.setattr(drafter.config, "tree_budget", 6)
+    ids = torch.tensor([prompts[0][:6]])
+    kw = dict(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+              output_scores=True, output_logits=True)
+    ref = target.generate(ids, **kw)
+    out = target.generate(ids, assistant_model=drafter, **kw)
+    assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(out.logits) == 20
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1  # every committed token but the last
+    torch.testing.assert_close(out.past_key_values.layers[0].keys, ref.past_key_values.layers[0].keys[..., : out.sequences.shape[1] - 1, :],
+                               atol=1e-4, rtol=1e-4)  # the accepted path's K/V, in order
+
+    class Tokens(TextStreamer):
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen += value.view(-1).tolist()
+
+        def end(self):
+            self.seen.append("end")
+
+    streamer = Tokens()
+    target.generate(ids, assistant_model=drafter, streamer=streamer, do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    assert streamer.seen == ref.sequences[0].tolist() + ["end"]
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        target.generate(ids, assistant_model=drafter, return_dict_in_generate=True, output_hidden_states=True, max_new_tokens=3, pad_token_id=0)
+
+
+def test_tree_mode_refuses_stateful_targets(monkeypatch):
+    target = tiny_glm5_next()
+    layers = target.config.get_text_config().num_hidden_layers
+    drafter = tiny_drafter(target, target_layer_ids=[0, layers - 1], target_hidden_reduction="mean", conv_group_size=8)
+    monkeypatch.setattr(drafter.config, "tree_budget", 4)
+    with pytest.raises(ValueError, match="stateful target"):
+        target.generate(torch.tensor([[3, 4, 5]]), assistant_model=drafter, do_sample=False, max_new_tokens=4, pad_token_id=0)
+
+
+@pytest.mark.parametrize("processors", [False, True], ids=["plain", "processors"])
+def test_tree_sampling_matches_target_distribution(setup, monkeypatch, processors):  # noqa: F811
+    target, drafter, prompt = setup
+    monkeypatch.setattr(drafter.config, "tree_budget", 6)
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {"costs": FREE_COSTS})
+    temperature, top_p, penalty = (0.7, 0.9, 1.3) if processors else (1.0, 1.0, 1.0)
+    expected = exact_joint(target, prompt, _processors(temperature, top_p, penalty))
+    counts = {}
+    with root.generation().collect_stats() as runs:
+        for seed in range(SAMPLES):
+            torch.manual_seed(seed)
+            out = target.generate(prompt, assistant_model=drafter, do_sample=True, max_new_tokens=N_NEW, temperature=temperature,
+                                  top_p=top_p, top_k=0, repetition_penalty=penalty, pad_token_id=0)
+            cell = tuple(out[0, prompt.shape[1]:].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+    assert sum(r.accepted for r in runs) > 0 and all(set(r.proposers) == {"dflash2-tree"} for r in runs)
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
