@@ -267,7 +267,7 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         depths = torch.tensor(tree.depths, device=input_ids.device)
         out = target(input_ids=torch.tensor([tree.tokens], device=input_ids.device),
                      position_ids=(past + depths)[None],
-                     attention_mask=tree_attention_mask(tree, attention_mask[0, :past], out.logits.dtype),
+                     attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype),
                      past_key_values=cache, use_cache=True, output_hidden_states=layers)
         node_raw = out.logits[0].float()  # [N, V]
         processed = {}
