@@ -102,10 +102,11 @@ class DFlash2Config(PreTrainedConfig):
             and ``costs`` (a step's costs in one-token forwards; None: by device and dtype). Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
             Per call, transformers' own ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``
             override ``num_tokens`` / ``max_n``. Top-level key only (engines ignore it).
-        tree_budget (`int`, optional): verify a token tree of this many drafted nodes (best paths
-            through the top-K lattice, plus the n-gram branch) in one target forward instead of
-            one path (``tree_dflash2.py``); None or 0: one path. Full-attention targets only
-            (stateful ones are refused). Top-level key only (engines ignore it).
+        tree_budget (`int` or `"auto"`, optional): verify a token tree of this many drafted nodes (best
+            paths through the top-K lattice, plus the n-gram branch) in one target forward instead
+            of one path (``tree_dflash2.py``); ``"auto"``: by device (``default_tree_budget``); None
+            or 0: one path. Full-attention targets only (stateful ones are refused). Top-level key
+            only (engines ignore it).
 
     DFlash 2 additions (each pair is all-or-none; ``None`` gives a plain DFlash drafter):
         conv_kernel_size, conv_group_size: two-tap grouped dynamic causal convolution.
@@ -156,7 +157,7 @@ class DFlash2Config(PreTrainedConfig):
     target_name_or_path: str | None = None
     draft_vocab_ids: list[int] | None = None
     hybrid_ngram: dict | None = None
-    tree_budget: int | None = None
+    tree_budget: int | str | None = None
     dflash_config: dict | None = None
     auto_map: dict | None = None
 
@@ -284,8 +285,9 @@ class DFlash2Config(PreTrainedConfig):
             costs = h["costs"]
             if costs is not None and (set(costs) != {"multi_token_step", "per_token", "draft"} or min(costs.values()) < 0):
                 raise ValueError(f"hybrid_ngram costs must be None (by device) or non-negative multi_token_step, per_token and draft, got {costs}")
-        if self.tree_budget is not None and (isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int) or self.tree_budget < 0):
-            raise ValueError(f"tree_budget must be None (one path) or a node count >= 0, got {self.tree_budget!r}")
+        budget = self.tree_budget
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"tree_budget must be None (one path), \"auto\" (by device) or a node count >= 0, got {budget!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
 

@@ -187,6 +187,21 @@ def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None) -> tuple
         node = child
 
 
+# Nodes per tree by device, for tree_budget="auto". CPU: measured on a 2-core AVX2 EPYC in fp32 (docs/evaluation.md):
+# a 17-node forward costs what the 8-token block costs (2.0x a one-token forward) and 16 nodes gave the most tokens
+# per cost of 0/4/8/16/32 (the shipped weights, ShareGPT-dev); 32 nodes cost 2.9x. GPU: not measured here; a
+# forward of a few dozen tokens costs about one decode step there, so the budget is larger.
+DEFAULT_TREE_BUDGET = {"cpu": 16, "cuda": 32}
+
+
+def default_tree_budget(param: torch.Tensor) -> int:
+    return DEFAULT_TREE_BUDGET.get(param.device.type, DEFAULT_TREE_BUDGET["cpu"])
+
+
+def resolve_budget(budget, param: torch.Tensor) -> int:
+    return default_tree_budget(param) if budget == "auto" else int(budget or 0)
+
+
 def refuse_unsupported(target, generation_config) -> None:
     """Tree mode's limits, as clear errors."""
     if getattr(target, "_is_stateful", False) or getattr(target, "_dflash2_was_stateful", False):
@@ -212,7 +227,7 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
     cache = model_kwargs.get("past_key_values")
     if cache is None:
         raise RuntimeError("tree verification needs the target's dynamic cache (use_cache=True)")
-    budget = drafter.config.tree_budget
+    budget = resolve_budget(drafter.config.tree_budget, next(target.parameters()))
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set() if eos is None else set(eos.view(-1).tolist())

@@ -82,25 +82,17 @@ class ForwardCounter:
 
 
 @contextlib.contextmanager
-def full_vocabulary(drafter):
-    """Draft from the full LM head for the duration (the drafter's ``draft_vocab_ids`` set aside)."""
-    saved = drafter.config.draft_vocab_ids
-    drafter.config.draft_vocab_ids = None
+def config_override(drafter, **values):
+    """Set drafter config fields for the duration of one call (e.g. ``draft_vocab_ids=None``: the full
+    LM head; ``tree_budget=16``: tree verification)."""
+    saved = {key: getattr(drafter.config, key) for key in values}
+    for key, value in values.items():
+        setattr(drafter.config, key, value)
     try:
         yield
     finally:
-        drafter.config.draft_vocab_ids = saved
-
-
-@contextlib.contextmanager
-def tree_budget(drafter, budget):
-    """Tree verification with ``budget`` nodes for the duration of one call."""
-    saved = drafter.config.tree_budget
-    drafter.config.tree_budget = budget
-    try:
-        yield
-    finally:
-        drafter.config.tree_budget = saved
+        for key, value in saved.items():
+            setattr(drafter.config, key, value)
 
 
 def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int = 16):
@@ -122,9 +114,10 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
             kw["prompt_lookup_num_tokens"] = int(method[len("dflash2+ngram-k"):])
         elif not method.startswith(("dflash2+ngram", "dflash2-tree+ngram")):
             kw["prompt_lookup_num_tokens"] = 0  # the block draft alone
-        head = full_vocabulary(drafter) if method == "dflash2-fullvocab" else contextlib.nullcontext()
-        tree = tree_budget(drafter, tree_nodes if method.startswith("dflash2-tree") else None)
-        with head, tree, gen.collect_stats() as runs:
+        overrides = {"tree_budget": tree_nodes if method.startswith("dflash2-tree") else None}
+        if method == "dflash2-fullvocab":
+            overrides["draft_vocab_ids"] = None
+        with config_override(drafter, **overrides), gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
         stats = runs[-1] if runs else None
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ def main(argv=None):
                      "depth": max(tree.depths)})
         print(f"{n:3d} nodes: tree {1e3 * tree_s:6.1f} ms ({tree_s / base:4.2f}x one token), chain {1e3 * chain_s:6.1f} ms ({chain_s / base:4.2f}x)", flush=True)
     result = {"dtype": str(dtype).replace("torch.", ""), "context": args.context, "one_token_ms": 1e3 * base, "threads": torch.get_num_threads(),
-              "rows": rows, "command": "python -m dflash2_tools.tree_cost " + " ".join(argv or [])}
+              "rows": rows, "command": "python -m dflash2_tools.tree_cost " + " ".join(sys.argv[1:] if argv is None else argv)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -361,6 +361,7 @@ def test_logit_transforms():
         (dict(tree_budget=-1), "tree_budget must be"),
         (dict(tree_budget=2.5), "tree_budget must be"),
         (dict(tree_budget=True), "tree_budget must be"),
+        (dict(tree_budget="big"), "tree_budget must be"),
     ],
 )
 def test_config_validation_errors(overrides, message):

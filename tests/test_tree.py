@@ -97,7 +97,7 @@ def trained_pair():
     return target, drafter, prompts
 
 
-@pytest.mark.parametrize("budget", [1, 5, 24])
+@pytest.mark.parametrize("budget", [1, 5, 24, "auto"])
 @pytest.mark.parametrize("ngram", [0, 6])
 def test_tree_greedy_equals_the_target(trained_pair, monkeypatch, budget, ngram):
     target, drafter, prompts = trained_pair
@@ -188,3 +188,8 @@ def test_tree_sampling_matches_target_distribution(setup, monkeypatch, processor
             counts[cell] = counts.get(cell, 0) + 1
     assert sum(r.accepted for r in runs) > 0 and all(set(r.proposers) == {"dflash2-tree"} for r in runs)
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+
+
+def test_auto_budget_by_device(tree_module):
+    assert tree_module.resolve_budget("auto", torch.zeros(1)) == tree_module.DEFAULT_TREE_BUDGET["cpu"]
+    assert tree_module.resolve_budget(None, torch.zeros(1)) == 0 and tree_module.resolve_budget(7, torch.zeros(1)) == 7

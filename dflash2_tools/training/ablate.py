@@ -1,6 +1,7 @@
 """Ablations of the training recipe at a fixed CPU budget: each lever alone and all combined.
 
     python -m dflash2_tools.training.ablate --out runs/ablate --budget-cpu-minutes 10 --train-limit 600
+    python -m dflash2_tools.training.ablate --out runs/ablate-336 --steps 336 --only ...   # equal steps
 
 Every run starts from scratch on the same training subset (the first ``--train-limit`` training
 sequences), trains for the same CPU time of its own process (``--budget-cpu-minutes``, the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +43,9 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/ablate")
     ap.add_argument("--data", nargs="+", default=DATA)
     ap.add_argument("--budget-cpu-minutes", type=float, default=10.0)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="a fixed number of steps per run instead of the CPU budget (equal compute for levers that do not "
+                    "change the step's cost, whatever else shares the machine)")
     ap.add_argument("--train-limit", type=int, default=600)
     ap.add_argument("--eval-sequences", type=int, default=32)
     ap.add_argument("--feature-cache-dir", default=None)
@@ -49,7 +54,8 @@ def main(argv=None):
     cli, extra = ap.parse_known_args(argv)
     common = ["--data", *cli.data, "--mask-token-id", "16", "--max-response-tokens", "128", "--train-limit", str(cli.train_limit),
               "--eval-sequences", str(cli.eval_sequences), "--eval-every", "1000000", "--save-every", "50", "--precision", "fp32",
-              "--budget-cpu-minutes", str(cli.budget_cpu_minutes), "--max-steps", "1000000", *extra]
+              *(["--max-steps", str(cli.steps)] if cli.steps else ["--budget-cpu-minutes", str(cli.budget_cpu_minutes), "--max-steps", "1000000"]),
+              *extra]
     if cli.feature_cache_dir:
         common += ["--feature-cache-dir", cli.feature_cache_dir]
     out = Path(cli.out)
@@ -64,7 +70,8 @@ def main(argv=None):
         run = out / slug(name)
         log = run / "log.jsonl"
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-        if not records or records[-1].get("train_cpu_seconds", 0) < cli.budget_cpu_minutes * 60:
+        done = records and (records[-1]["step"] >= cli.steps if cli.steps else records[-1].get("train_cpu_seconds", 0) >= cli.budget_cpu_minutes * 60)
+        if not done:
             train_main(common + flags + ["--out", str(run)])
             records = [json.loads(line) for line in log.read_text().splitlines()]
         last = records[-1]
@@ -73,12 +80,13 @@ def main(argv=None):
         print(f"{name}: {json.dumps(results[name]['dev'])}", flush=True)
     docs = Path(cli.docs)
     docs.mkdir(parents=True, exist_ok=True)
-    summary = {"budget_cpu_minutes": cli.budget_cpu_minutes, "train_limit": cli.train_limit, "data": cli.data,
+    summary = {"budget_cpu_minutes": None if cli.steps else cli.budget_cpu_minutes, "steps": cli.steps, "train_limit": cli.train_limit, "data": cli.data,
                "eval_sequences": cli.eval_sequences, "fill_wall_seconds": fills, "runs": results,
-               "command": "python -m dflash2_tools.training.ablate " + " ".join(argv or [])}
-    (docs / "ablations.json").write_text(json.dumps(summary, indent=1))
-    (docs / "ablations.md").write_text(table(summary))
-    plot(summary, docs / "ablations.png")
+               "command": "python -m dflash2_tools.training.ablate " + " ".join(sys.argv[1:] if argv is None else argv)}
+    name = "ablations" + (f"-{cli.steps}-steps" if cli.steps else "")
+    (docs / f"{name}.json").write_text(json.dumps(summary, indent=1))
+    (docs / f"{name}.md").write_text(table(summary))
+    plot(summary, docs / f"{name}.png")
     print(table(summary))
 
 
@@ -105,7 +113,8 @@ def plot(summary, path: Path):
     for y, v in enumerate(values[::-1]):
         ax.text(v, y, f" {v:.3f}", va="center")
     ax.set_xlabel("on-policy acceptance length (tokens per target forward), dev")
-    ax.set_title(f"Training levers at {summary['budget_cpu_minutes']:g} CPU-minutes each, from scratch")
+    budget = f"{summary['steps']} steps" if summary.get("steps") else f"{summary['budget_cpu_minutes']:g} CPU-minutes"
+    ax.set_title(f"Training levers at {budget} each, from scratch")
     ax.set_xlim(1.0, max(values) * 1.08 if values else 2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
