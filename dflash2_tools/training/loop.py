@@ -228,7 +228,7 @@ def main(argv=None):
     if budget_s is None:
         bar = tqdm(total=stop, initial=step, desc="training", unit="step", disable=not is_main)
     else:  # progress in CPU-seconds of the budget
-        bar = tqdm(total=budget_s, initial=spent, desc="training", disable=not is_main,
+        bar = tqdm(total=budget_s, initial=min(spent, budget_s), desc="training", disable=not is_main,
                    bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} CPU-s [{elapsed}<{remaining}{postfix}]")
     train_lengths = [len(t) for t, _ in train]
 
