@@ -420,6 +420,7 @@ def install_assisted_generation_hook() -> None:
         drafter = assistant_model
         if (drafter is not None and is_dflash2_drafter(drafter) and getattr(drafter.config, "tree_budget", None)
                 and generation_config.speculation_type != "dflash"):
+            check_transformers_version()  # the assisted path checks it when building its candidate generator
             own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
             return own.tree_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                       make_generator=own.DFlash2CandidateGenerator, **model_kwargs)

@@ -193,3 +193,11 @@ def test_tree_sampling_matches_target_distribution(setup, monkeypatch, processor
 def test_auto_budget_by_device(tree_module):
     assert tree_module.resolve_budget("auto", torch.zeros(1)) == tree_module.DEFAULT_TREE_BUDGET["cpu"]
     assert tree_module.resolve_budget(None, torch.zeros(1)) == 0 and tree_module.resolve_budget(7, torch.zeros(1)) == 7
+
+
+def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
+    target, drafter, prompts = trained_pair
+    monkeypatch.setattr(drafter.config, "tree_budget", 4)
+    monkeypatch.setattr(root.generation_of(drafter).transformers, "__version__", "5.99.0")
+    with pytest.raises(RuntimeError, match="tested with transformers"):
+        target.generate(torch.tensor([prompts[0]]), assistant_model=drafter, do_sample=False, max_new_tokens=4, pad_token_id=0)
