@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .. import drafter as root
+from .batches import collate, pad_stack
 
 
 @torch.no_grad()
@@ -133,8 +134,6 @@ def features_for_batch(store: FeatureStore | None, idx, sequences, target, cfg, 
     stored run through the target (one batched forward); every row is then read back from the
     store, so a sequence trains on the same (bf16-rounded) features in every epoch.
     """
-    from .batches import collate, pad_stack
-
     k = teacher_k if store is None else store.teacher_k  # a store always keeps its teacher: runs share one store
 
     def run(indices):

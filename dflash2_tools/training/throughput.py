@@ -13,6 +13,7 @@ epoch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -77,13 +78,13 @@ def main(argv=None):
             store = FeatureStore(Path(cli.feature_cache_dir) / key, [len(t) for t, _ in subset], len(cfg.target_layer_ids) * cfg.hidden_size, teacher_k)
             t0 = time.time()
             for idx in steps:
-                features_for_batch(store, idx, subset, target, cfg, "cpu", _no_autocast, args.pad_id, head, teacher_k)
+                features_for_batch(store, idx, subset, target, cfg, "cpu", contextlib.nullcontext, args.pad_id, head, teacher_k)
             fill_s = time.time() - t0
         times, positions = [], []
         for s, idx in enumerate(steps):
             tokens, lengths, prompt_lengths = collate([subset[i] for i in idx], args.pad_id)
             t0 = time.time()
-            features, teacher = features_for_batch(store, idx, subset, target, drafter.config, "cpu", _no_autocast, args.pad_id, head, teacher_k)
+            features, teacher = features_for_batch(store, idx, subset, target, drafter.config, "cpu", contextlib.nullcontext, args.pad_id, head, teacher_k)
             loss, _ = compute_loss(drafter, target, head, (tokens, lengths, prompt_lengths), features, torch.Generator().manual_seed(s), args, teacher)
             loss.backward()
             opt.step()
@@ -97,14 +98,6 @@ def main(argv=None):
     if cli.out:
         Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cli.out).write_text(json.dumps(results, indent=1))
-
-
-class _no_autocast:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
