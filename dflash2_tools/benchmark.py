@@ -21,6 +21,12 @@ own ``generate``:
 * ``dflash2-tree``: tree verification (``tree_dflash2.py``): a best-first tree of ``--tree-budget``
   nodes through the top-K lattice in one target forward; ``dflash2-tree+ngram`` adds the n-gram
   continuation as one more branch
+* ``llama.cpp``, ``llama.cpp+dflash2``, ``llama.cpp+ngram`` (greedy only; llama.cpp built by
+  ``python -m dflash2_tools.llamacpp build``): the target's Q4_1 GGUF in llama.cpp, alone
+  (``llama-bench`` decoding 128 tokens at the prompt's depth), with this drafter converted by
+  llama.cpp's own converter (``--spec-type draft-dflash``, the whole block), and with its n-gram
+  drafting (``ngram-simple``); decode tok/s and tokens per target forward as llama.cpp prints them.
+  Their text is llama.cpp's target's (not compared with ours: a different quantisation of numerics)
 
 Acceptance length for every method = new tokens / target forwards after the prefill (a counter
 on the target's forward), so the numbers are comparable. Every greedy output is checked against
@@ -44,7 +50,9 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab")
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
+           "llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
+LLAMACPP_METHODS = ("llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 
 
 def method_rank(method: str) -> tuple[int, int]:
@@ -93,6 +101,33 @@ def config_override(drafter, **values):
     finally:
         for key, value in saved.items():
             setattr(drafter.config, key, value)
+
+
+def run_llamacpp_method(method, llama, prompt_text: str, prompt_tokens: int, gen_kw) -> dict:
+    """One prompt through llama.cpp (``llama``: bin folder, converted drafter, threads)."""
+    from . import llamacpp
+
+    if gen_kw.get("do_sample"):
+        raise ValueError(f"{method} runs greedy only: drop it from --methods or use --temperatures 0")
+    n_new = gen_kw["max_new_tokens"]
+    if method == "llama.cpp":
+        tok_per_s, accepted = llamacpp.target_alone_tok_per_s(llama.bin_dir, n_new, llama.threads, depth=prompt_tokens), 1.0
+    else:
+        spec = ("draft-dflash", llama.gguf, llama.block - 1) if method == "llama.cpp+dflash2" else ("ngram-simple", None, None)
+        result = llamacpp.run_llamacpp(llama.bin_dir, prompt_text, spec[1], spec[0], n_new, llama.threads, spec[2])
+        tok_per_s, accepted = result["tok_per_s"], result["acceptance_length"]
+    return {"step_ms": 1e3 * accepted / tok_per_s, "step_target_forward_ms": float("nan"), "step_draft_ms": float("nan"),
+            "step_overhead_ms": float("nan"), "seconds": n_new / tok_per_s, "new_tokens": n_new, "tok_per_s": tok_per_s,
+            "acceptance_length": accepted, "per_position_acceptance": None, "accept_lengths": None, "per_proposer": None}
+
+
+def llamacpp_setup(drafter_dir: str, block_size: int):
+    """Build llama.cpp (once) and convert the drafter with llama.cpp's own converter."""
+    from types import SimpleNamespace
+
+    from . import llamacpp
+
+    return SimpleNamespace(bin_dir=llamacpp.build(), gguf=llamacpp.convert(drafter_dir), block=block_size, threads=torch.get_num_threads())
 
 
 def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int = 16):
@@ -150,10 +185,12 @@ def benchmark(args):
         drafter = root.load_drafter(args.drafter, dtype=dtype).eval()
         methods = [m for m in args.methods if m != "dflash2-fullvocab" or drafter.config.draft_vocab_ids is not None]
         counter = ForwardCounter(target)
+        llama = llamacpp_setup(args.drafter, drafter.config.block_size) if set(methods) & set(LLAMACPP_METHODS) else None
         sets = {name: load_prompt_set(name)[: args.limit] for name in args.prompt_sets}
         warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        for method in methods:  # warm-up every path once
-            run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget)
+        for method in methods:  # warm-up every path once (llama.cpp runs in its own process)
+            if method not in LLAMACPP_METHODS:
+                run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget)
         total = sum(len(v) for v in sets.values()) * len(args.temperatures)
         bar = tqdm(total=total, desc=f"benchmark {dtype_name}", unit="prompt")
         for set_name, records in sets.items():
@@ -165,12 +202,16 @@ def benchmark(args):
                     reference = None
                     for method in methods:
                         torch.manual_seed(0)
-                        out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget)
+                        if method in LLAMACPP_METHODS:
+                            text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
+                            out, row = None, run_llamacpp_method(method, llama, text, inputs["input_ids"].shape[1], gen_kw)
+                        else:
+                            out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget)
                         if method == "target":
                             reference = out
                         row.update(dtype=dtype_name, prompt_set=set_name, prompt_id=rec["id"], method=method, temperature=temperature,
                                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-                        if temperature == 0 and reference is not None:
+                        if temperature == 0 and reference is not None and out is not None:
                             row["same_as_target"] = bool(torch.equal(out, reference))
                         results.append(row)
                     bar.update(1)
@@ -185,9 +226,13 @@ def summarize(results):
     for r in results:
         groups.setdefault((r["dtype"], r["temperature"], r["prompt_set"], r["method"]), []).append(r)
     base = {(r["dtype"], r["temperature"], r["prompt_set"], r["prompt_id"]): r["tok_per_s"] for r in results if r["method"] == "target"}
+    llama_base = {(r["dtype"], r["temperature"], r["prompt_set"], r["prompt_id"]): r["tok_per_s"] for r in results if r["method"] == "llama.cpp"}
     rows = []
     for (dtype, temp, pset, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], method_rank(kv[0][3]))):
         ratios = [r["tok_per_s"] / base[(dtype, temp, pset, r["prompt_id"])] for r in rs]
+        # llama.cpp's drafting rows are also measured against llama.cpp's target alone, prompt by prompt
+        alone = [r["tok_per_s"] / llama_base[(dtype, temp, pset, r["prompt_id"])] for r in rs
+                 if method in LLAMACPP_METHODS and (dtype, temp, pset, r["prompt_id"]) in llama_base]
         checked = [r["same_as_target"] for r in rs if "same_as_target" in r]
         proposers = {}  # pooled over the group's prompts: which proposer each step verified, and its acceptance
         for r in rs:
@@ -199,8 +244,9 @@ def summarize(results):
             "dtype": dtype, "temperature": temp, "prompt_set": pset, "method": method, "prompts": len(rs),
             "median_tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
             "median_speedup": statistics.median(ratios),
+            "median_speedup_vs_llamacpp": statistics.median(alone) if alone else None,
             "mean_acceptance_length": statistics.mean(r["acceptance_length"] for r in rs),
-            "lossless": f"{sum(checked)}/{len(checked)}" if checked else "n/a (sampling)",
+            "lossless": f"{sum(checked)}/{len(checked)}" if checked else ("n/a (llama.cpp's own text)" if method in LLAMACPP_METHODS else "n/a (sampling)"),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
             "per_proposer": {k: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)} for k, c in proposers.items()},
             **{k: statistics.median(r[k] for r in rs) for k in ("step_ms", "step_target_forward_ms", "step_draft_ms", "step_overhead_ms")},
@@ -216,6 +262,16 @@ def markdown_table(rows) -> str:
         f"{r['median_speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | {r['lossless']} | {r['peak_rss_mb']:.0f} |\n"
         for r in rows
     )
+
+
+def llamacpp_table(rows) -> str:
+    """The llama.cpp rows against llama.cpp's target alone (empty without llama.cpp rows)."""
+    rows = [r for r in rows if r.get("median_speedup_vs_llamacpp") is not None]
+    if not rows:
+        return ""
+    head = "| dtype | prompt set | method | median tok/s | speedup vs llama.cpp alone | tokens per target forward |\n| --- | --- | --- | --- | --- | --- |\n"
+    return head + "".join(f"| {r['dtype']} | {r['prompt_set']} | {r['method']} | {r['median_tok_per_s']:.1f} | "
+                          f"{r['median_speedup_vs_llamacpp']:.2f}x | {r['mean_acceptance_length']:.2f} |\n" for r in rows)
 
 
 def profile_table(rows) -> str:
@@ -235,7 +291,7 @@ def plot(results, rows, out: Path):
     import matplotlib.pyplot as plt
 
     spec = [r for r in results if r["method"] == "dflash2" and r["per_position_acceptance"]]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4))
     if spec:
         n = len(spec[0]["per_position_acceptance"])
         for pset in sorted({r["prompt_set"] for r in spec}):
@@ -259,8 +315,8 @@ def plot(results, rows, out: Path):
                     label=method if len(args_dtypes(rows)) == 1 else f"{method} ({dtype})")
     axes[2].set_xticks(range(len(sets)), sets)
     axes[2].axhline(1.0, color="k", lw=0.5)
-    axes[2].legend(fontsize=7)
-    axes[2].set(title=f"median speedup vs target alone (T={rows[0]['temperature']:g})" if rows else "median speedup", ylabel="x")
+    axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: tall bars would hide under it
+    axes[2].set(title=f"median speedup vs the transformers target alone (T={rows[0]['temperature']:g})" if rows else "median speedup", ylabel="x")
     fig.tight_layout()
     fig.savefig(out / "benchmark.png", dpi=110)
 
@@ -300,7 +356,9 @@ def main(argv=None):
     rows = summarize(results)
     table = markdown_table(rows)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": rows, "runs": results}, indent=1))
-    profile = profile_table(rows)
+    profile = profile_table([r for r in rows if r["method"] not in LLAMACPP_METHODS])
+    if llamacpp_table(rows):
+        table += "\nllama.cpp (Q4_1 target, same prompts) against llama.cpp's target alone:\n\n" + llamacpp_table(rows)
     (out / "results.md").write_text(table + "\nPer decoding step (one target forward after the prefill):\n\n" + profile)
     plot(results, rows, out)
     print(table)

@@ -3,12 +3,15 @@
     python -m dflash2_tools.plots learning-curve runs/smollm2/log.jsonl --out docs/learning_curve.png
     # a run continued with --init-from: give the logs in order, tokens and steps add up
     python -m dflash2_tools.plots learning-curve docs/train_log_smollm2.jsonl runs/smollm2-v2/log.jsonl
+    # the plain-call acceptance of each shipped run against the tokens all runs so far trained on
+    python -m dflash2_tools.plots acceptance-history docs/training/history.json --out docs/training/acceptance_history.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -72,16 +75,81 @@ def learning_curve(log_paths, out: str | Path) -> list[dict]:
     return points
 
 
+def log_linear_fit(xs, ys) -> tuple[float, float]:
+    """Least squares ``y = a + b * log2(x)`` -> (a, b)."""
+    lx = [math.log2(x) for x in xs]
+    mx, my = sum(lx) / len(lx), sum(ys) / len(ys)
+    b = sum((u - mx) * (v - my) for u, v in zip(lx, ys)) / sum((u - mx) ** 2 for u in lx)
+    return my - b * mx, b
+
+
+def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 3.0) -> dict:
+    """Plain-call acceptance of consecutive runs against cumulative training tokens (log scale).
+
+    ``history.json``: ``{"runs": [{"name", "log", "plain_call_acceptance"}, ...]}`` in training order,
+    each run continuing the previous weights; a run's tokens are its log's last ``tokens_seen``.
+    Fits acceptance = a + b log2(tokens) and says how many tokens the fit needs to reach ``goal``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history_path = Path(history_path)
+    runs = json.loads(history_path.read_text())["runs"]
+    total, xs, ys = 0, [], []
+    for run in runs:
+        log = (history_path.parent / run["log"]) if not Path(run["log"]).is_absolute() else Path(run["log"])
+        last = [json.loads(line) for line in log.read_text().splitlines() if line.strip()][-1]
+        total += last["tokens_seen"]
+        xs.append(total)
+        ys.append(run["plain_call_acceptance"])
+    if len(xs) < 2:
+        raise ValueError(f"{history_path}: a fit needs at least two runs, got {len(xs)}")
+    a, b = log_linear_fit(xs, ys)
+    needed = 2 ** ((goal - a) / b) if b > 0 else float("inf")
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot([x / 1e6 for x in xs], ys, "o-", label="shipped runs (plain call, 12 ShareGPT-dev prompts, fp32)")
+    for x, y, run in zip(xs, ys, runs):
+        ax.annotate(run["name"], (x / 1e6, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    grid = [xs[0] * (needed / xs[0]) ** (i / 40) for i in range(41)] if needed < float("inf") else xs
+    ax.plot([x / 1e6 for x in grid], [a + b * __import__("math").log2(x) for x in grid], "--", color="grey",
+            label=f"fit: {b:+.3f} per doubling of tokens")
+    ax.axhline(goal, color="red", lw=0.8, ls=":", label=f"goal {goal:g}")
+    ax.set_xscale("log")
+    ax.set(xlabel="cumulative training tokens (millions, context tokens; log scale)", ylabel="accepted tokens per target forward",
+           title="Where the acceptance curve flattens")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    result = {"cumulative_tokens": xs, "plain_call_acceptance": ys, "fit_intercept": a, "fit_per_doubling": b,
+              "goal": goal, "tokens_for_goal_by_fit": needed}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     lc = sub.add_parser("learning-curve")
     lc.add_argument("log", nargs="+", help="log.jsonl of a run; several: consecutive runs in order")
     lc.add_argument("--out", default="docs/learning_curve.png")
+    ah = sub.add_parser("acceptance-history")
+    ah.add_argument("history", help="history.json: the shipped runs in order, their logs and plain-call acceptance")
+    ah.add_argument("--out", default="docs/training/acceptance_history.png")
+    ah.add_argument("--goal", type=float, default=3.0)
     args = ap.parse_args(argv)
     if args.cmd == "learning-curve":
         for p in learning_curve(args.log, args.out):
             print(p)
+    elif args.cmd == "acceptance-history":
+        r = acceptance_history(args.history, args.out, args.goal)
+        print(f"fit: acceptance = {r['fit_intercept']:.3f} + {r['fit_per_doubling']:.3f} log2(tokens); "
+              f"{args.goal:g} reached at {r['tokens_for_goal_by_fit'] / 1e6:,.0f}M training tokens "
+              f"({r['tokens_for_goal_by_fit'] / r['cumulative_tokens'][-1]:.0f}x all runs so far)")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,22 @@ def test_benchmark_summary_and_table():
     assert "| bfloat16 | 0 | s | dflash2 | 11.0 | 7.0 | 2.0 | 2.0 |" in benchmark.profile_table(rows)
 
 
+def test_benchmark_llamacpp_rows_are_measured_against_both_targets():
+    runs = []
+    for pid, (t_hf, t_cpp, t_cpp_spec) in enumerate([(10.0, 60.0, 30.0), (10.0, 80.0, 20.0), (20.0, 100.0, 100.0)]):
+        common = dict(dtype="float32", temperature=0.0, prompt_set="s", prompt_id=str(pid), peak_rss_mb=100.0,
+                      step_ms=1.0, step_target_forward_ms=float("nan"), step_draft_ms=float("nan"), step_overhead_ms=float("nan"))
+        runs.append(dict(common, method="target", tok_per_s=t_hf, acceptance_length=1.0, same_as_target=True))
+        runs.append(dict(common, method="llama.cpp", tok_per_s=t_cpp, acceptance_length=1.0))
+        runs.append(dict(common, method="llama.cpp+dflash2", tok_per_s=t_cpp_spec, acceptance_length=2.0))
+    rows = benchmark.summarize(runs)
+    spec = next(r for r in rows if r["method"] == "llama.cpp+dflash2")
+    assert spec["median_speedup"] == 3.0 and spec["median_speedup_vs_llamacpp"] == 0.5  # medians of per-prompt ratios
+    assert spec["lossless"].startswith("n/a") and next(r for r in rows if r["method"] == "target")["median_speedup_vs_llamacpp"] is None
+    assert "| float32 | s | llama.cpp+dflash2 | 30.0 | 0.50x | 2.00 |" in benchmark.llamacpp_table(rows)
+    assert [r["method"] for r in rows] == ["target", "llama.cpp", "llama.cpp+dflash2"]
+
+
 def test_benchmark_orders_short_draft_methods_after_the_full_block():
     names = ["dflash2-d10", "dflash2+ngram-k12", "dflash2", "target", "dflash2+ngram", "dflash2-d2", "pld", "dflash1"]
     assert sorted(names, key=benchmark.method_rank) == [
@@ -202,3 +218,18 @@ def test_trim_history_drops_the_oldest_exchanges_to_fit():
     assert len(prompts.trim_history(encode, messages, 10)) == 10  # everything fits
     assert prompts.trim_history(encode, messages, 9) == [2, 2]  # the oldest (question, answer) pair goes
     assert prompts.trim_history(encode, messages, 1) is None  # even the last question does not fit
+
+
+def test_acceptance_history_fits_log_tokens_and_extrapolates_to_the_goal(tmp_path):
+    from dflash2_tools import plots
+
+    runs = []
+    for i, (tokens, acc) in enumerate([(1_000_000, 1.5), (1_000_000, 1.75), (2_000_000, 2.0)]):  # cumulative 1M, 2M, 4M
+        (tmp_path / f"log{i}.jsonl").write_text(json.dumps({"step": 1, "tokens_seen": tokens}) + "\n")
+        runs.append({"name": f"run {i + 1}", "log": f"log{i}.jsonl", "plain_call_acceptance": acc})
+    (tmp_path / "history.json").write_text(json.dumps({"runs": runs}))
+    r = plots.acceptance_history(tmp_path / "history.json", tmp_path / "h.png", goal=3.0)
+    assert r["cumulative_tokens"] == [1_000_000, 2_000_000, 4_000_000]
+    assert r["fit_per_doubling"] == pytest.approx(0.25)  # +0.25 per doubling: 3.0 is 4 doublings after 4M
+    assert r["tokens_for_goal_by_fit"] == pytest.approx(64_000_000)
+    assert (tmp_path / "h.png").stat().st_size > 0
