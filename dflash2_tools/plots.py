@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 
-def learning_curve(log_paths, out: str | Path) -> list[dict]:
+def learning_curve(log_paths, out: str | Path, names: list[str] | None = None) -> list[dict]:
     """Dev acceptance length vs training tokens and vs training CPU-hours; also writes the numbers as JSON.
 
     Several logs are consecutive runs (each started ``--init-from`` the previous one's weights):
@@ -61,7 +61,7 @@ def learning_curve(log_paths, out: str | Path) -> list[dict]:
         for run in sorted({p["run"] for p in pts} - {pts[0]["run"]}):  # each continued run has its own (re-split) dev slice
             x0 = min(x for x, p in zip(xs, pts) if p["run"] == run)
             ax.axvline(x0, color="grey", ls="--", lw=0.8)
-            ax.annotate(f"run {run + 1}", (x0, 0.02), xycoords=("data", "axes fraction"), fontsize=8, color="grey")
+            ax.annotate(names[run] if names else f"run {run + 1}", (x0, 0.02), xycoords=("data", "axes fraction"), fontsize=8, color="grey")
         ax.set_xlabel(label)
         ax.set_ylabel(f"dev acceptance length, {'on-policy' if on_policy else 'random anchors'}")
         ax.grid(alpha=0.3)
@@ -118,7 +118,7 @@ def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 
     ax.axhline(goal, color="red", lw=0.8, ls=":", label=f"goal {goal:g}")
     ax.set_xscale("log")
     ax.set(xlabel="cumulative training tokens (millions, context tokens; log scale)", ylabel="accepted tokens per target forward",
-           title="Where the acceptance curve flattens")
+           title="Plain-call acceptance against training tokens (log-linear)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -137,13 +137,16 @@ def main(argv=None):
     lc = sub.add_parser("learning-curve")
     lc.add_argument("log", nargs="+", help="log.jsonl of a run; several: consecutive runs in order")
     lc.add_argument("--out", default="docs/learning_curve.png")
+    lc.add_argument("--names", nargs="*", default=None, help="a label per log (default: run 1, run 2, ...)")
     ah = sub.add_parser("acceptance-history")
     ah.add_argument("history", help="history.json: the shipped runs in order, their logs and plain-call acceptance")
     ah.add_argument("--out", default="docs/training/acceptance_history.png")
     ah.add_argument("--goal", type=float, default=3.0)
     args = ap.parse_args(argv)
     if args.cmd == "learning-curve":
-        for p in learning_curve(args.log, args.out):
+        if args.names and len(args.names) != len(args.log):
+            ap.error(f"--names gives {len(args.names)} labels for {len(args.log)} logs")
+        for p in learning_curve(args.log, args.out, args.names):
             print(p)
     elif args.cmd == "acceptance-history":
         r = acceptance_history(args.history, args.out, args.goal)
