@@ -113,8 +113,11 @@ def run_llamacpp_method(method, llama, prompt_text: str, prompt_tokens: int, gen
     if method == "llama.cpp":
         tok_per_s, accepted = llamacpp.target_alone_tok_per_s(llama.bin_dir, n_new, llama.threads, depth=prompt_tokens), 1.0
     else:
-        spec = ("draft-dflash", llama.gguf, llama.block - 1) if method == "llama.cpp+dflash2" else ("ngram-simple", None, None)
-        result = llamacpp.run_llamacpp(llama.bin_dir, prompt_text, spec[1], spec[0], n_new, llama.threads, spec[2])
+        if method == "llama.cpp+dflash2":
+            spec_type, draft_gguf, n_draft = "draft-dflash", llama.gguf, llama.block - 1  # the whole block
+        else:
+            spec_type, draft_gguf, n_draft = "ngram-simple", None, None
+        result = llamacpp.run_llamacpp(llama.bin_dir, prompt_text, draft_gguf, spec_type, n_new, llama.threads, n_draft)
         tok_per_s, accepted = result["tok_per_s"], result["acceptance_length"]
     return {"step_ms": 1e3 * accepted / tok_per_s, "step_target_forward_ms": float("nan"), "step_draft_ms": float("nan"),
             "step_overhead_ms": float("nan"), "seconds": n_new / tok_per_s, "new_tokens": n_new, "tok_per_s": tok_per_s,
@@ -196,6 +199,7 @@ def benchmark(args):
         for set_name, records in sets.items():
             for rec in records:
                 inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+                text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False) if llama else None
                 for temperature in args.temperatures:
                     gen_kw = dict(max_new_tokens=args.max_new_tokens)
                     gen_kw.update(do_sample=False) if temperature == 0 else gen_kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -203,7 +207,6 @@ def benchmark(args):
                     for method in methods:
                         torch.manual_seed(0)
                         if method in LLAMACPP_METHODS:
-                            text = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
                             out, row = None, run_llamacpp_method(method, llama, text, inputs["input_ids"].shape[1], gen_kw)
                         else:
                             out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget)
@@ -357,8 +360,9 @@ def main(argv=None):
     table = markdown_table(rows)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": rows, "runs": results}, indent=1))
     profile = profile_table([r for r in rows if r["method"] not in LLAMACPP_METHODS])
-    if llamacpp_table(rows):
-        table += "\nllama.cpp (Q4_1 target, same prompts) against llama.cpp's target alone:\n\n" + llamacpp_table(rows)
+    llama_rows = llamacpp_table(rows)
+    if llama_rows:
+        table += "\nllama.cpp (Q4_1 target, same prompts) against llama.cpp's target alone:\n\n" + llama_rows
     (out / "results.md").write_text(table + "\nPer decoding step (one target forward after the prefill):\n\n" + profile)
     plot(results, rows, out)
     print(table)

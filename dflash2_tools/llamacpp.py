@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -184,8 +185,6 @@ def replay_acceptance(drafter, target, tokenizer, prompt_text: str, continuation
     llama.cpp's text (our target's features of that text, the anchors a greedy verifier visits)
     separates what the text explains from what the implementations do differently.
     """
-    import contextlib
-
     import torch
 
     from .training.evaluate import response_acceptance

@@ -15,6 +15,11 @@ import math
 from pathlib import Path
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a training log (one JSON object per line, blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def learning_curve(log_paths, out: str | Path, names: list[str] | None = None) -> list[dict]:
     """Dev acceptance length vs training tokens and vs training CPU-hours; also writes the numbers as JSON.
 
@@ -29,7 +34,7 @@ def learning_curve(log_paths, out: str | Path, names: list[str] | None = None) -
 
     rows, step0, tokens0, cpu0 = [], 0, 0, 0.0
     for run, path in enumerate([log_paths] if isinstance(log_paths, (str, Path)) else log_paths):
-        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records = read_jsonl(path)
         timed = any("train_cpu_seconds" in r for r in records)  # a run's baseline record (step 0) sits at its start
         rows += [{**r, "run": run, "step": r["step"] + step0, "tokens_seen": r["tokens_seen"] + tokens0,
                   "cpu_hours": (r.get("train_cpu_seconds", 0.0) + cpu0) / 3600 if timed else None} for r in records]
@@ -99,8 +104,7 @@ def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 
     runs = json.loads(history_path.read_text())["runs"]
     total, xs, ys = 0, [], []
     for run in runs:
-        log = (history_path.parent / run["log"]) if not Path(run["log"]).is_absolute() else Path(run["log"])
-        last = [json.loads(line) for line in log.read_text().splitlines() if line.strip()][-1]
+        last = read_jsonl(history_path.parent / run["log"])[-1]  # an absolute "log" stays absolute
         total += last["tokens_seen"]
         xs.append(total)
         ys.append(run["plain_call_acceptance"])
@@ -113,7 +117,7 @@ def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 
     for x, y, run in zip(xs, ys, runs):
         ax.annotate(run["name"], (x / 1e6, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
     grid = [xs[0] * (needed / xs[0]) ** (i / 40) for i in range(41)] if needed < float("inf") else xs
-    ax.plot([x / 1e6 for x in grid], [a + b * __import__("math").log2(x) for x in grid], "--", color="grey",
+    ax.plot([x / 1e6 for x in grid], [a + b * math.log2(x) for x in grid], "--", color="grey",
             label=f"fit: {b:+.3f} per doubling of tokens")
     ax.axhline(goal, color="red", lw=0.8, ls=":", label=f"goal {goal:g}")
     ax.set_xscale("log")

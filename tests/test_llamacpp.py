@@ -68,7 +68,7 @@ def test_llamacpp_and_our_drafter_agree_on_the_same_text(tmp_path):
     ids = list(drafter.config.target_layer_ids)
     drafter.config.target_layer_ids = ids[::-1]
     try:
-        shifted = llamacpp.replay_acceptance(drafter, target, tokenizer, text, theirs["text"], 96)
+        reversed_taps = llamacpp.replay_acceptance(drafter, target, tokenizer, text, theirs["text"], 96)
     finally:
         drafter.config.target_layer_ids = ids
-    assert abs(shifted - theirs["acceptance_length"]) > AGREEMENT
+    assert abs(reversed_taps - theirs["acceptance_length"]) > AGREEMENT
