@@ -287,6 +287,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         n_draft = min(self.draft_limit, self.max_length - input_ids.shape[1] - 1)
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise RuntimeError("DFlash 2 needs the target's hidden states from its verification forward")
+        if self.rollback is not None:  # every later forward, a plain one-token step too, needs full conv windows
+            self.rollback.pad_conv_windows(model_kwargs.get("past_key_values") if model_kwargs else model_outputs.past_key_values)
         if n_draft <= 0:
             return input_ids, None
         t0 = time.perf_counter()

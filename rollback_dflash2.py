@@ -88,21 +88,29 @@ class LinearStateRollback:
             self.recorded[module.layer_idx] = {**kwargs, "hidden_states": hidden}
         return None
 
-    def begin_step(self, cache) -> None:
-        """Call right before the verification forward."""
-        t0 = time.perf_counter()
-        self.snapshots = {}
+    def pad_conv_windows(self, cache) -> None:
+        """Call before every target forward after the prefill, whatever the step verifies.
+
+        A prompt shorter than the conv kernel leaves a short window under past recording (transformers
+        pads it only when it does not record); its missing history is zeros (what the conv's own padding
+        means), and the 1-token decode kernel of a plain step needs the full window.
+        """
         for idx in self.mixers:
             layer = cache.layers[idx]
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
                 raise TypeError(f"layer {idx} of the target cache is {type(layer).__name__}, not a linear-attention cache layer")
-            conv, rec = layer.conv_states[0], layer.recurrent_states[0]
-            width = layer.conv_kernel_size[0]
+            conv, width = layer.conv_states[0], layer.conv_kernel_size[0]
             if conv is not None and conv.shape[-1] < width:
-                # A prompt shorter than the conv kernel leaves a short window under past recording; its
-                # missing history is zeros (what the conv's own padding means), and the 1-token decode
-                # kernel needs the full window.
-                conv = layer.conv_states[0] = torch.nn.functional.pad(conv, (width - conv.shape[-1], 0))
+                layer.conv_states[0] = torch.nn.functional.pad(conv, (width - conv.shape[-1], 0))
+
+    def begin_step(self, cache) -> None:
+        """Call right before the verification forward."""
+        t0 = time.perf_counter()
+        self.pad_conv_windows(cache)
+        self.snapshots = {}
+        for idx in self.mixers:
+            layer = cache.layers[idx]
+            conv, rec = layer.conv_states[0], layer.recurrent_states[0]
             self.snapshots[idx] = (
                 None if conv is None else conv.clone(),
                 None if rec is None else rec.clone(),

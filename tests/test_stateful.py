@@ -215,3 +215,20 @@ def test_dsa_target_multi_token_vs_incremental(index_topk, consistent):
         steps += [target(seq[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, -1] for i in range(4, seq.shape[1] - 1)]
     diff = (full - torch.stack(steps)).abs().max().item()
     assert (diff < 1e-4) == consistent, diff
+
+
+@pytest.mark.parametrize("prompt_length", [1, 2, 3, 4])
+def test_short_prompts_with_plain_steps_glm5_next(prompt_length):
+    """Prompts shorter than the linear-attention conv kernel (4), with CPU-like costs: the hybrid rule takes
+    plain one-token steps, whose decode kernel needs the full conv window (it crashed before the fix)."""
+    target = tiny_glm5_next()
+    drafter = drafter_for(target, hybrid_ngram={"costs": {"multi_token_step": 0.65, "per_token": 0.035, "draft": 0.25}})
+    gen = root.generation()
+    plain_steps = 0
+    for token in (3, 40):
+        ids = torch.full((1, prompt_length), token)
+        want = target.generate(ids, max_new_tokens=20, do_sample=False)
+        got, stats = gen.dflash2_generate(target, drafter, ids, max_new_tokens=20, do_sample=False)
+        assert torch.equal(got, want)
+        plain_steps += stats.per_proposer.get("none", {}).get("steps", 0)
+    assert plain_steps > 0  # the path that crashed ran
