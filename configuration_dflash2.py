@@ -38,6 +38,19 @@ DFLASH_CONFIG_KEYS = (
     "input_embedding_scale",
     "target_hidden_reduction",
 )
+# Keys engines accept in ``dflash_config`` beside those (vLLM, SGLang, LMDeploy, llama.cpp's converter).
+# Each is either mapped onto this config (same semantics) or refused when it asks for something this
+# code does not implement -- never ignored:
+#   use_swa, swa_window_size, sliding_window: the drafter's sliding window (``layer_types``/``sliding_window``)
+#   causal: a causal mask inside the block (``is_causal``)
+#   sample_from_anchor: False is DFlash (slot k predicts token anchor+k); True is another model family
+#   is_neox_style: True is the rotate-half RoPE used here; False (interleaved RoPE) is not implemented
+#   attention_sink_bias: attention sinks are not implemented; only a false value loads
+#   num_target_layers: the target's depth, as at the top level
+ENGINE_DFLASH_CONFIG_KEYS = (
+    "use_swa", "swa_window_size", "sliding_window", "causal", "sample_from_anchor", "is_neox_style",
+    "attention_sink_bias", "num_target_layers",
+)
 # Optional keys are written only when set, as in the official checkpoint.
 _OPTIONAL_DFLASH_KEYS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale", "target_hidden_reduction")
 TARGET_HIDDEN_REDUCTIONS = ("mean", "first", "concat")
@@ -53,7 +66,7 @@ HYBRID_NGRAM_DEFAULTS = {
     "drafter_scale": 1.2,
     "ngram_margin": -0.5,
     "drafter_acceptance": [0.388, 0.177, 0.086, 0.034, 0.024, 0.002, 0.002],
-    "costs": None,  # None: by device and dtype (generation_dflash2.default_step_costs)
+    "costs": None,  # None: measured on the device at first use (costs_dflash2.step_costs)
 }
 
 
@@ -63,6 +76,15 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [num_target_layers // 2]
     step = (num_target_layers - 4) / (num_draft_layers - 1)
     return [int(math.floor(1 + i * step + 0.5)) for i in range(num_draft_layers)]
+
+
+def is_official_dflash2_config(config_dict: dict) -> bool:
+    """The release format: Qwen3 hyperparameters, ``DFlash2DraftModel`` architecture, nested ``dflash_config``."""
+    return (
+        config_dict.get("model_type") == "qwen3"
+        and "DFlash2DraftModel" in (config_dict.get("architectures") or [])
+        and isinstance(config_dict.get("dflash_config"), dict)
+    )
 
 
 @strict
@@ -99,14 +121,17 @@ class DFlash2Config(PreTrainedConfig):
             (``ngram_dflash2.py``): ``num_tokens`` (continuation length, 0 = off), ``min_n``,
             ``max_n``, the calibrated rule ``ngram_acceptance`` (per match length),
             ``drafter_scale``, ``ngram_margin``, ``drafter_acceptance`` (mean P(position i accepted)),
-            and ``costs`` (a step's costs in one-token forwards; None: by device and dtype). Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
+            and ``costs`` (a step's costs in one-token forwards; None: measured on the device at first use,
+            ``costs_dflash2.py``). Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
             Per call, transformers' own ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``
             override ``num_tokens`` / ``max_n``. Top-level key only (engines ignore it).
         tree_budget (`int` or `"auto"`, optional): verify a token tree of this many drafted nodes (best
             paths through the top-K lattice, plus the n-gram branch) in one target forward instead
-            of one path (``tree_dflash2.py``); ``"auto"``: by device (``default_tree_budget``); None
-            or 0: one path. Full-attention targets only (stateful ones are refused). Top-level key
-            only (engines ignore it).
+            of one path (``tree_dflash2.py``); ``"auto"``: a tree (and its size) only where this device's
+            measured step costs say it commits more tokens per unit of time than one path
+            (``tree_dflash2.choose_tree_budget``), and only on targets where a tree is exact (full attention,
+            dynamic cache, not stateful); one path elsewhere. None or 0: one path. An explicit node count
+            is refused clearly where a tree cannot be exact. Top-level key only (engines ignore it).
 
     DFlash 2 additions (each pair is all-or-none; ``None`` gives a plain DFlash drafter):
         conv_kernel_size, conv_group_size: two-tap grouped dynamic causal convolution.
@@ -164,9 +189,13 @@ class DFlash2Config(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # The nested dict (official / SGLang format) fills whatever the top level leaves unset.
         nested = dict(self.dflash_config or {})
-        unknown = set(nested) - set(DFLASH_CONFIG_KEYS)
+        unknown = set(nested) - set(DFLASH_CONFIG_KEYS) - set(ENGINE_DFLASH_CONFIG_KEYS)
         if unknown:
-            raise ValueError(f"dflash_config has unknown keys {sorted(unknown)}; known keys: {list(DFLASH_CONFIG_KEYS)}")
+            raise ValueError(
+                f"dflash_config has unknown keys {sorted(unknown)}; known keys: {list(DFLASH_CONFIG_KEYS)} "
+                f"and the engine keys {list(ENGINE_DFLASH_CONFIG_KEYS)}"
+            )
+        self._apply_engine_keys({k: nested.pop(k) for k in ENGINE_DFLASH_CONFIG_KEYS if k in nested})
         for key, value in nested.items():
             setattr(self, key, value)
         if self.num_key_value_heads is None:
@@ -192,6 +221,56 @@ class DFlash2Config(PreTrainedConfig):
         self.dflash_config = self.nested_dflash_config()
         super().__post_init__(**kwargs)
 
+    def _apply_engine_keys(self, engine: dict) -> None:
+        """Map the engines' ``dflash_config`` keys onto this config, or refuse them naming the key."""
+
+        def refuse(key, why):
+            raise ValueError(f"dflash_config[{key!r}] = {engine[key]!r}: {why}. Remove the key (or set it to the supported value) to load this drafter here.")
+
+        if engine.get("sample_from_anchor") not in (None, False):
+            refuse("sample_from_anchor", "a drafter whose anchor slot samples the next token is another model family; DFlash drafts token anchor+k at slot k (sample_from_anchor=false)")
+        if engine.get("is_neox_style") not in (None, True):
+            refuse("is_neox_style", "interleaved (GPT-J style) RoPE is not implemented; this drafter uses rotate-half (neox) RoPE")
+        if engine.get("attention_sink_bias"):
+            refuse("attention_sink_bias", "attention-sink bias is not implemented in this drafter")
+        if "causal" in engine and engine["causal"] is not None:
+            if not isinstance(engine["causal"], bool):
+                refuse("causal", "must be true or false")
+            self.is_causal = engine["causal"]
+        if engine.get("num_target_layers") is not None:
+            if self.num_target_layers not in (None, engine["num_target_layers"]):
+                refuse("num_target_layers", f"disagrees with the top-level num_target_layers={self.num_target_layers}")
+            self.num_target_layers = int(engine["num_target_layers"])
+        window = engine.get("swa_window_size", engine.get("sliding_window"))
+        if window in (0, -1):
+            window = None
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                refuse("swa_window_size" if "swa_window_size" in engine else "sliding_window", "the window must be a positive number of tokens")
+            if self.use_sliding_window and self.sliding_window not in (None, window):
+                refuse("swa_window_size" if "swa_window_size" in engine else "sliding_window",
+                       f"differs from the top-level sliding_window={self.sliding_window}")
+            self.sliding_window = window
+            self.use_sliding_window = True
+        if engine.get("use_swa"):
+            if self.layer_types is not None and "sliding_attention" not in self.layer_types:
+                refuse("use_swa", "layer_types has no sliding_attention layer; name the sliding layers in layer_types")
+            if self.sliding_window is None:
+                refuse("use_swa", "no window size: set swa_window_size or sliding_window")
+            self.use_sliding_window = True
+        elif engine.get("use_swa") is False and "sliding_attention" in (self.layer_types or []):
+            refuse("use_swa", "layer_types has sliding_attention layers; drop use_swa or set it to true")
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """An official DFlash 2 checkpoint says ``model_type: qwen3`` (its layers are Qwen3's) beside
+        ``architectures: ["DFlash2DraftModel"]`` and a ``dflash_config``: it IS this config, so read it as one
+        (transformers would warn that a qwen3 config instantiates a dflash2 model)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if is_official_dflash2_config(config_dict):
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
+
     def nested_dflash_config(self) -> dict:
         """The ``dflash_config`` dict that SGLang and vLLM read."""
         out = {}
@@ -200,6 +279,8 @@ class DFlash2Config(PreTrainedConfig):
             if value is None and (key in _OPTIONAL_DFLASH_KEYS or key.startswith(("conv_", "selector_"))):
                 continue
             out[key] = value
+        if self.is_causal:  # the engines' name for a causal block (never written when false: the default)
+            out["causal"] = True
         return out
 
     def to_dict(self):

@@ -25,6 +25,7 @@ used; every other call goes to transformers unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -36,10 +37,12 @@ from packaging import version
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .devices_dflash2 import execution_device
+from .costs_dflash2 import cpu_has_native_bf16, rule_costs, step_costs  # noqa: F401 (precision.py reads cpu_has_native_bf16 here)
 from .ngram_dflash2 import HybridRule, NgramIndex, StepCosts
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats, collect_stats, trace_proposals
 from .rollback_dflash2 import LinearStateRollback, check_rollback_supported
-from .tree_dflash2 import tree_decoding
+from .tree_dflash2 import choose_tree_budget, tree_decoding, tree_support_problem
 
 TESTED_TRANSFORMERS = (version.parse("5.23.0"), version.parse("5.24.0"))  # [min, max)
 TESTED_RANGE_TEXT = "transformers>=5.23,<5.24"
@@ -86,13 +89,30 @@ def check_compatible(target, drafter) -> None:
         problems.append(f"target_layer_ids {dcfg.target_layer_ids} do not exist in a {n_layers}-layer target")
     if problems:
         raise ValueError("Incompatible target for this DFlash 2 drafter: " + "; ".join(problems) + f". {_expected_target(drafter)}.")
-    t_param = next(target.parameters())
+    check_placement(target, drafter)
+
+
+def check_placement(target, drafter) -> None:
+    """Device and dtype checks against the modules the drafter talks to: the target's embedding table (block
+    inputs) and LM head (draft logits). Those may sit on any device of a ``device_map`` or be offloaded by
+    accelerate (weights on ``meta`` until their hooks load them): the drafter reads both through
+    ``module_weights`` / the module itself and moves tensors to and from its own device."""
     d_param = next(drafter.parameters())
-    if t_param.device != d_param.device:
-        raise ValueError(f"drafter is on {d_param.device} but the target is on {t_param.device}: call drafter.to(target.device)")
-    if t_param.dtype != d_param.dtype:
+    head_device = execution_device(target.get_output_embeddings())
+    if d_param.device.type == "meta":
         raise ValueError(
-            f"drafter dtype {d_param.dtype} != target dtype {t_param.dtype}: load the drafter with "
+            f"the drafter's weights are on meta (offloaded): load it whole onto one device, e.g. "
+            f"AutoModel.from_pretrained(..., device_map={{'': '{head_device}'}}) or drafter.to('{head_device}')"
+        )
+    if d_param.device.type != head_device.type:
+        raise ValueError(
+            f"drafter is on {d_param.device} but the target's LM head computes on {head_device}: "
+            f"call drafter.to('{head_device}') (any {head_device.type} device of the target's device_map works)"
+        )
+    t_dtype = target.get_input_embeddings().weight.dtype  # meta weights keep their dtype
+    if t_dtype != d_param.dtype:
+        raise ValueError(
+            f"drafter dtype {d_param.dtype} != target dtype {t_dtype}: load the drafter with "
             f"dtype=target.dtype or call drafter.to(target.dtype)"
         )
 
@@ -113,12 +133,13 @@ def reduce_streams(hidden: torch.Tensor, reduction: str | None) -> torch.Tensor:
     raise ValueError(f"unknown target_hidden_reduction {reduction!r}")
 
 
-def context_features(hidden_states, layer_ids: list[int], n_tokens: int, reduction: str | None = None) -> torch.Tensor:
-    """Features of the first ``n_tokens`` positions of a target forward: [b, n_tokens, len(layer_ids) * H].
+def context_features(hidden_states, layer_ids: list[int], n_tokens: int, reduction: str | None = None, device=None) -> torch.Tensor:
+    """Features of the first ``n_tokens`` positions of a target forward: [b, n_tokens, len(layer_ids) * H], on
+    ``device`` (the drafter's; the taps of a sharded target come from the devices their layers sit on).
 
     ``hidden_states[0]`` is the embedding output, so target layer ``l`` is ``hidden_states[l + 1]``.
     """
-    return torch.cat([reduce_streams(hidden_states[l + 1][:, :n_tokens], reduction) for l in layer_ids], dim=-1)
+    return torch.cat([reduce_streams(hidden_states[l + 1][:, :n_tokens], reduction).to(device) for l in layer_ids], dim=-1)
 
 
 # ---- drafting ------------------------------------------------------------------------------------------------
@@ -163,6 +184,7 @@ def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temper
     """
     logits = drafter.draft_logits(lm_head, hidden).float()  # [b, n, V'] (V' = V without a sub-vocabulary)
     vocab_ids = getattr(lm_head, "vocab_ids", None)  # [V'] or None
+    vocab_ids = None if vocab_ids is None else vocab_ids.to(logits.device)  # the head may sit on another device
     vocab_size = drafter.config.vocab_size
     if drafter.candidate_selector is not None:
         walk = drafter.candidate_selector.walk(hidden, logits, anchor, temperature, generator, vocab_ids=vocab_ids)
@@ -201,39 +223,6 @@ def ngram_policy(generation_config, config) -> tuple[int, int, int]:
     return num_tokens, min(settings["min_n"], max_n), max_n
 
 
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split()
-    except OSError:  # not Linux: assume emulated bf16
-        return False
-    return any(flag in flags for flag in BF16_CPU_FLAGS)
-
-
-def default_step_costs(param: torch.Tensor) -> dict:
-    """What a decoding step costs on this device, in one-token target forwards (HybridRule's cost model).
-
-    Measured with SmolLM2-135M on 2-core CPUs (docs/evaluation.md): fp32 on an AVX2 EPYC, a
-    1-token forward 59 ms and 2 / 4 / 8 / 16 tokens 1.69 / 1.77 / 2.10 / 2.16 of it (the GEMM path
-    of a multi-token forward costs more than the GEMV path of one token), the draft ~0.25; native
-    bf16 (AVX-512 bf16) an 8-token verification 55-60 ms against 51-56 ms, the draft 10-11 ms;
-    emulated bf16 (the same AVX2 EPYC) a 1-token forward 39 ms and 2 / 4 / 8 / 16 tokens 1.31 /
-    2.14 / 3.73 / 6.84 of it (each extra token ~0.38), the draft 21-23 ms (0.55). On a GPU verifying a block costs about one decoding step. Set
-    ``hybrid_ngram["costs"]`` to override.
-    """
-    if param.device.type != "cpu":
-        return {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.1}
-    if param.dtype == torch.float32:
-        return {"multi_token_step": 0.65, "per_token": 0.035, "draft": 0.25}
-    if cpu_has_native_bf16():
-        return {"multi_token_step": 0.05, "per_token": 0.005, "draft": 0.2}
-    return {"multi_token_step": 0.0, "per_token": 0.38, "draft": 0.55}
-
-
 def point_mass_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log q for a deterministic proposal: 0 at each proposed token, -inf elsewhere. [b, n] -> [b, n, V]"""
     out = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)  # [b, n, V]
@@ -249,6 +238,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         check_compatible(target, drafter)
         self.drafter = drafter
         self.config = drafter.config
+        self.device = next(drafter.parameters()).device
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = drafter.draft_head(target.get_output_embeddings())  # the target's, or its draft-vocabulary rows
         self.max_length = generation_config.max_length
@@ -258,9 +248,9 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
         self.ngram = NgramIndex(min_n, max_n) if self.ngram_tokens else None
         settings = self.config.hybrid_settings()
-        costs = settings["costs"] if settings["costs"] is not None else default_step_costs(next(target.parameters()))
+        costs, source = step_costs(target, drafter, self.lm_head, self.device)  # measured once per process, or configured
         self.rule = HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"],
-                               settings["drafter_acceptance"], StepCosts(**costs))
+                               settings["drafter_acceptance"], StepCosts(**rule_costs(costs)))
         self.last_choice, self.last_rates = None, []
         self.last_proposer = None  # the proposal verified by the coming forward (None: the prefill, or no step)
         self.trace = TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
@@ -268,7 +258,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.committed = 0  # tokens whose target features are in the drafter cache
         self.pending_features = []  # [1, n, n*H] features of committed tokens not yet in it (steps the drafter skipped)
         self.last_drafted = 0
-        self.stats = DFlash2Stats(block_size=self.config.block_size)
+        self.stats = DFlash2Stats(block_size=self.config.block_size, costs={**costs, "source": source})
         self._start = time.perf_counter()
         self._prompt_length = None
         # Stateful targets (linear attention): the recurrent state must be rolled back by replay.
@@ -295,7 +285,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         # features of the tokens committed by the last verification (the first positions of its forward)
         n_fresh = input_ids.shape[1] - 1 - self.committed - sum(f.shape[1] for f in self.pending_features)
         self.pending_features.append(context_features(
-            model_outputs.hidden_states, self.config.target_layer_ids, n_fresh, self.config.target_hidden_reduction
+            model_outputs.hidden_states, self.config.target_layer_ids, n_fresh, self.config.target_hidden_reduction, self.device
         ))  # [1, n_fresh, n*H]
         match = None
         if self.ngram is not None:
@@ -368,12 +358,13 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     def prompt_features(self, hidden_states, n_tokens: int) -> torch.Tensor:
         """[1, n_tokens, n*H] context features of the prefill (and records the prompt length)."""
         self._prompt_length = n_tokens
-        return context_features(hidden_states, self.config.target_layer_ids, n_tokens, self.config.target_hidden_reduction)
+        return context_features(hidden_states, self.config.target_layer_ids, n_tokens, self.config.target_hidden_reduction, self.device)
 
     def node_features(self, hidden_states, nodes: list[int]) -> torch.Tensor:
-        """[1, len(nodes), n*H] context features of the given positions of a (tree) forward."""
-        index = torch.tensor(nodes, device=hidden_states[self.config.target_layer_ids[0] + 1].device)
-        return torch.cat([reduce_streams(hidden_states[l + 1].index_select(1, index), self.config.target_hidden_reduction)
+        """[1, len(nodes), n*H] context features of the given positions of a (tree) forward, on the drafter's device."""
+        index = torch.tensor(nodes)
+        return torch.cat([reduce_streams(hidden_states[l + 1].index_select(1, index.to(hidden_states[l + 1].device)),
+                                         self.config.target_hidden_reduction).to(self.device)
                           for l in self.config.target_layer_ids], dim=-1)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
@@ -390,6 +381,46 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             self.stats.rollback_seconds = self.rollback.seconds
         self.stats.new_tokens = input_ids.shape[1] - self._prompt_length
         self.stats.seconds = time.perf_counter() - self._start
+
+
+def decide_tree_budget(target, drafter, generation_config, cache, input_ids) -> int:
+    """Nodes per tree for this call, 0 for one path per step. An explicit ``tree_budget`` is honoured (or refused
+    clearly where a tree cannot be exact); ``"auto"`` takes a tree only where the target and call allow one and
+    this device's measured costs say it commits more tokens per unit of time (``tree_dflash2.choose_tree_budget``)."""
+    setting = drafter.config.tree_budget
+    if setting != "auto":
+        return int(setting or 0)
+    if input_ids.shape[0] != 1 or tree_support_problem(target, generation_config, cache) is not None:
+        return 0
+    device = next(drafter.parameters()).device
+    costs, _ = step_costs(target, drafter, None, device)
+    budget, _ = choose_tree_budget(StepCosts(**rule_costs(costs)), drafter.config.hybrid_settings()["drafter_acceptance"])
+    return budget
+
+
+@functools.lru_cache(maxsize=None)
+def _reporting_execution_device(cls):
+    """``cls`` whose ``device`` is the embedding's execution device (see ``device_of_offloaded_target``)."""
+    return type(cls.__name__, (cls,), {"device": property(lambda self: self._dflash2_execution_device),
+                                       "__qualname__": cls.__qualname__, "__module__": cls.__module__})
+
+
+@contextlib.contextmanager
+def device_of_offloaded_target(target):
+    """transformers' assisted loop moves each candidate to ``target.device``, its FIRST parameter's device: ``meta`` when
+    accelerate offloaded the embedding (e.g. a tied head sent to disk), and the verification forward then fails. For this
+    call only, the target reports the device its embedding computes on; nothing else about it changes."""
+    if target.device.type != "meta":
+        yield
+        return
+    cls = type(target)
+    target._dflash2_execution_device = execution_device(target.get_input_embeddings())
+    target.__class__ = _reporting_execution_device(cls)
+    try:
+        yield
+    finally:
+        target.__class__ = cls
+        del target._dflash2_execution_device
 
 
 # ---- the hook into transformers ---------------------------------------------------------------------------------
@@ -424,10 +455,13 @@ def install_assisted_generation_hook() -> None:
                 and generation_config.speculation_type != "dflash"):
             check_transformers_version()  # the assisted path checks it when building its candidate generator
             own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
-            return own.tree_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                                      make_generator=own.DFlash2CandidateGenerator, **model_kwargs)
-        return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-                                 inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)
+            budget = own.decide_tree_budget(self, drafter, generation_config, model_kwargs.get("past_key_values"), input_ids)
+            if budget:
+                return own.tree_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                                         streamer, make_generator=own.DFlash2CandidateGenerator, budget=budget, **model_kwargs)
+        with device_of_offloaded_target(self) if drafter is not None and is_dflash2_drafter(drafter) else contextlib.nullcontext():
+            return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                     streamer, inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)
 
     @functools.wraps(original_get)
     def _get_candidate_generator(self, *args, **kwargs):

@@ -36,6 +36,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_dflash2 import DFlash2Config
+from .devices_dflash2 import execution_device, module_weights  # noqa: F401 (execution_device: part of this module's API)
 from .generation_dflash2 import dflash2_generate, install_assisted_generation_hook  # noqa: F401 (custom_generate uses it)
 
 
@@ -89,6 +90,11 @@ class DFlash2RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
+def is_flash_attention(implementation: str | None) -> bool:
+    """flash_attention_2/3, paged or hub-kernel flash variants: kernels that take no arbitrary mask."""
+    return implementation is not None and "flash" in implementation
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -137,16 +143,20 @@ def block_attention_mask(
     key_positions: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    causal: bool = False,
 ) -> torch.Tensor | None:
     """Inference mask: block queries see every key (context and the whole block), minus padding and
-    keys that fell out of the sliding window. Returns ``None`` when nothing is masked.
+    keys that fell out of the sliding window, and (``causal``) block keys after the query. Returns
+    ``None`` when nothing is masked.
 
     query_positions [b, q], key_positions [b, kv], key_padding_mask [b, kv] (1 = real token).
     """
     mask = None
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # [b, q, kv]
     if sliding_window is not None:
-        distance = query_positions[:, :, None] - key_positions[:, None, :]  # [b, q, kv]
         mask = distance < sliding_window
+    if causal:
+        mask = distance >= 0 if mask is None else mask & (distance >= 0)
     if key_padding_mask is not None and not bool(key_padding_mask.all()):
         pad = key_padding_mask.bool()[:, None, :]  # [b, 1, kv]
         mask = pad if mask is None else mask & pad
@@ -156,7 +166,7 @@ def block_attention_mask(
 
 
 def multi_block_training_mask(
-    anchor_positions: torch.Tensor, block_size: int, context_length: int, sliding_window: int | None = None
+    anchor_positions: torch.Tensor, block_size: int, context_length: int, sliding_window: int | None = None, causal: bool = False
 ) -> torch.Tensor:
     """Training mask for many blocks of one sequence in a single forward.
 
@@ -175,7 +185,10 @@ def multi_block_training_mask(
     sees_ctx = ctx_pos[None, None, :] < anchor_positions.repeat_interleave(block_size, dim=1)[:, :, None]  # [b, n*B, c]
     if sliding_window is not None:
         sees_ctx = sees_ctx & (query_pos[:, :, None] - ctx_pos[None, None, :] < sliding_window)
-    same_block = (query_block[:, None] == query_block[None, :]).expand(b, -1, -1)  # [b, n*B, n*B]
+    same_block = query_block[:, None] == query_block[None, :]  # [n*B, n*B]
+    if causal:  # block position k sees block positions <= k
+        same_block = same_block & (k.repeat(n_blocks)[:, None] >= k.repeat(n_blocks)[None, :])
+    same_block = same_block.expand(b, -1, -1)  # [b, n*B, n*B]
     return torch.cat([sees_ctx, same_block], dim=-1)[:, None]  # [b, 1, n*B, c + n*B]
 
 
@@ -221,8 +234,11 @@ class DFlash2Attention(nn.Module):
         if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
             attention_mask = attention_mask[..., -key.shape[-2] :]  # a cache layer that keeps only its window
         interface: Callable = eager_attention_forward
-        if self.config._attn_implementation not in (None, "eager"):
-            interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        implementation = self.config._attn_implementation
+        if attention_mask is not None and is_flash_attention(implementation):
+            implementation = "sdpa"  # flash kernels read a 4D mask as a padding mask: masked blocks go through SDPA
+        if implementation not in (None, "eager"):
+            interface = ALL_ATTENTION_FUNCTIONS[implementation]
         attn_output, _ = interface(
             self,
             query,
@@ -410,11 +426,12 @@ class DraftVocabHead(nn.Module):
 
     def __init__(self, lm_head: nn.Module, vocab_ids: list[int]):
         super().__init__()
-        weight = lm_head.weight
-        self.register_buffer("vocab_ids", torch.tensor(vocab_ids, dtype=torch.long, device=weight.device), persistent=False)
-        self.register_buffer("weight", weight.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
-        bias = getattr(lm_head, "bias", None)
-        self.register_buffer("bias", None if bias is None else bias.detach()[self.vocab_ids], persistent=False)
+        with module_weights(lm_head):  # real rows, also when accelerate offloaded the head
+            weight = lm_head.weight
+            self.register_buffer("vocab_ids", torch.tensor(vocab_ids, dtype=torch.long, device=weight.device), persistent=False)
+            self.register_buffer("weight", weight.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
+            bias = getattr(lm_head, "bias", None)
+            self.register_buffer("bias", None if bias is None else bias.detach()[self.vocab_ids], persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear_head(hidden, self.weight, self.bias)  # [..., V']
@@ -558,7 +575,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             key_positions = position_ids[:, -1:] - kv_len + 1 + torch.arange(kv_len, device=position_ids.device)  # [b, kv]
             padding = attention_mask[:, -kv_len:] if attention_mask is not None else None
             window = self.config.sliding_window if layer_type == "sliding_attention" else None
-            mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], key_positions, padding, window)
+            mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], key_positions, padding, window, self.config.is_causal)
 
         hidden_states = noise_embeds
         for layer_idx, layer in enumerate(self.layers):
@@ -576,8 +593,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     # ---- the target's embedding and head, applied on the draft side -------------------------------------------
 
     def embed_block(self, embed_tokens: nn.Module, block_ids: torch.LongTensor) -> torch.Tensor:
-        """[b, q] ids -> [b, q, H] embeddings from the TARGET's table (times input_embedding_scale)."""
-        embeds = embed_tokens(block_ids)
+        """[b, q] ids -> [b, q, H]: the RAW rows of the TARGET's table, times ``input_embedding_scale``, on the
+        block's device. Raw rows as the engines read them: a target whose embedding module scales its own output
+        (Gemma's ``embed_scale``) states that factor as ``input_embedding_scale`` instead, so it is applied once."""
+        with module_weights(embed_tokens):
+            weight = embed_tokens.weight
+            embeds = F.embedding(block_ids.to(weight.device), weight).to(block_ids.device)  # [b, q, H]
         if self.config.input_embedding_scale is not None:
             embeds = embeds * self.config.input_embedding_scale
         return embeds
@@ -591,11 +612,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     def draft_logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """[b, n, H] drafter hidden -> [b, n, V] logits through the TARGET's head and logit transforms
         (``V`` = the sub-vocabulary's size when ``lm_head`` is a DraftVocabHead)."""
-        hidden = hidden.to(lm_head.weight.dtype)
-        if isinstance(lm_head, nn.Linear):  # the target's plain head: the faster product (DraftVocabHead uses it too)
-            logits = linear_head(hidden, lm_head.weight, lm_head.bias)
-        else:  # a DraftVocabHead, or a quantized / tensor-parallel head: its own forward
-            logits = lm_head(hidden)
+        device = hidden.device
+        weight = lm_head.weight
+        if isinstance(lm_head, (nn.Linear, DraftVocabHead)) and weight.device.type != "meta":
+            # the target's plain head or its draft-vocabulary rows: the faster product, where the weights are
+            logits = linear_head(hidden.to(weight.device, weight.dtype), weight, lm_head.bias)
+        else:  # an offloaded head (its hook loads the weights), or a quantized / tensor-parallel one: its own forward
+            logits = lm_head(hidden.to(weight.dtype))
+        logits = logits.to(device)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         if self.config.final_logit_softcapping is not None:
@@ -609,4 +633,10 @@ DFlash2Config.register_for_auto_class()
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 install_assisted_generation_hook()
 
-__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "DraftVocabHead", "multi_block_training_mask", "SelectorWalk"]
+__all__ = [
+    "DFlash2DraftModel",
+    "DFlash2PreTrainedModel",
+    "DraftVocabHead",
+    "SelectorWalk",
+    "multi_block_training_mask",
+]

@@ -27,6 +27,8 @@ class DFlash2Stats:
     rollback_seconds: float = 0.0  # stateful targets: snapshot + replay of linear-attention states
     proposers: list[str] = field(default_factory=list)  # per step: "dflash2" (block draft), "ngram" (prompt lookup), "dflash2-tree", "none" (nothing verified)
     per_proposer: dict = field(default_factory=dict)  # proposer -> {"steps", "drafted", "accepted"}
+    costs: dict = field(default_factory=dict)  # the step costs the rule used and their "source" (config / measured / table)
+    mode: str = "linear"  # "linear" (one path per step) or "tree-N" (tree verification with N nodes)
 
     def __post_init__(self):
         n = self.block_size - 1
@@ -102,6 +104,8 @@ class DFlash2Stats:
             "acceptance_length_histogram": self.histogram(),
             "accept_lengths": self.accept_lengths,
             "proposers": self.proposers,
+            "costs": self.costs,
+            "mode": self.mode,
             "per_proposer": {
                 name: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)}
                 for name, c in self.per_proposer.items()

@@ -24,6 +24,7 @@ streamer, max_length and EOS handling that loop gets from ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from dataclasses import dataclass
@@ -70,32 +71,34 @@ def root_tree(anchor: int) -> TokenTree:
     return TokenTree([anchor], [-1], [0], [[]])
 
 
-def build_tree(anchor: int, candidates: torch.Tensor, child_log_probs, budget: int, max_depth: int) -> TokenTree:
-    """Best-first token tree under a node budget.
+def build_tree(anchor: int, candidates: list[list[int]], log_probs: list[list[list[float]]], budget: int, max_depth: int) -> TokenTree:
+    """Best-first token tree under a node budget, on host data (no device sync while it grows).
 
-    candidates: [n, K] token ids per draft position; child_log_probs(t, parent_token) -> [K] log-probs
-    of the candidates at position t after ``parent_token``. Children of one node are distinct
-    (the top-K are), so the tree has no duplicate paths.
+    candidates: [n][K] token ids per draft position; log_probs: [n][K][K] with ``log_probs[t][j][k]`` the log-prob of
+    candidate k at position t after candidate j of position t - 1 (row t = 0: after the anchor, every j alike).
+    Children of one node are distinct (the top-K are), so the tree has no duplicate paths.
     """
     tree = root_tree(anchor)
-    depth_limit = min(max_depth, candidates.shape[0])
+    depth_limit = min(max_depth, len(candidates))
     if budget <= 0 or depth_limit <= 0:
         return tree
-    heap, tie = [], 0
+    heap, tie, column = [], 0, {0: 0}  # column: node -> its candidate index at its position (the root: 0)
 
     def push_children(node: int, log_p: float):
         nonlocal tie
         t = tree.depths[node]  # children sit at draft position t (depth t + 1)
         if t >= depth_limit:
             return
-        for k, lp in enumerate(child_log_probs(t, tree.tokens[node]).tolist()):
-            heapq.heappush(heap, (-(log_p + lp), tie, node, int(candidates[t, k])))
+        for k, lp in enumerate(log_probs[t][column[node]]):
+            heapq.heappush(heap, (-(log_p + lp), tie, node, k))
             tie += 1
 
     push_children(0, 0.0)
     while heap and len(tree) - 1 < budget:
-        neg, _, parent, token = heapq.heappop(heap)
-        push_children(tree.add(token, parent), -neg)
+        neg, _, parent, k = heapq.heappop(heap)
+        child = tree.add(candidates[tree.depths[parent]][k], parent)
+        column[child] = k
+        push_children(child, -neg)
     return tree
 
 
@@ -108,31 +111,30 @@ def add_branch(tree: TokenTree, tokens: list[int]) -> TokenTree:
     return tree
 
 
-def selector_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None):
-    """(candidates [n, K] token ids, child_log_probs) from one block's drafter output.
+def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor: int):
+    """(candidates [n][K], log_probs [n][K][K]) of one block's top-K lattice, scored at once and moved to the host in
+    ONE transfer (the tree then grows on the host).
 
-    hidden [n, H], logits [n, V'] at the drafted positions. With a selector the children's
-    log-probs are log softmax S_t(parent, .) over the top-K (they depend on the parent token);
-    without one, the log softmax of the draft logits over the top-K.
+    hidden [n, H], logits [n, V'] at the drafted positions. With a selector, ``log_probs[t][j]`` is log softmax
+    S_t(candidate j of position t - 1, .) over the top-K (the anchor for t = 0); without one, the log softmax of
+    the draft logits over the top-K, whatever the parent.
     """
     selector = drafter.candidate_selector
     k = selector.top_k if selector is not None else min(8, logits.shape[-1])
     top_values, top_cols = logits.float().topk(k, dim=-1)  # [n, K]
     candidates = top_cols if vocab_ids is None else vocab_ids[top_cols]  # [n, K] token ids
+    n = candidates.shape[0]
     if selector is None:
-        flat = torch.log_softmax(top_values, dim=-1)  # [n, K]
-        return candidates, lambda t, parent: flat[t]
-    gated = selector.hidden_projection(hidden).float()  # [n, R]
-    cache = {}
-
-    def child_log_probs(t: int, parent: int) -> torch.Tensor:
-        if (t, parent) not in cache:
-            prev = torch.tensor([parent], device=candidates.device)
-            s = selector.scores(gated[t : t + 1], top_values[t : t + 1], candidates[t : t + 1], prev)  # [1, K]
-            cache[t, parent] = torch.log_softmax(s[0], dim=-1)
-        return cache[t, parent]
-
-    return candidates, child_log_probs
+        table = torch.log_softmax(top_values, dim=-1)[:, None, :].expand(n, k, k)  # [n, K, K]
+    else:
+        gated = selector.hidden_projection(hidden).float()  # [n, R]
+        parents = torch.cat([candidates.new_full((1, k), anchor), candidates[:-1]])  # [n, K]: position t's possible parents
+        pred = selector.predecessor_codebook[parents].float() * gated[:, None, :]  # [n, K parent, R]
+        succ = selector.successor_codebook[candidates].float()  # [n, K child, R]
+        scores = top_values[:, None, :] + torch.einsum("njr,nkr->njk", pred, succ)  # [n, K parent, K child]
+        table = torch.log_softmax(scores, dim=-1)
+    host = torch.cat([candidates.to(table.dtype)[:, None, :], table], dim=1).cpu()  # [n, 1 + K, K]: one transfer
+    return host[:, 0].long().tolist(), host[:, 1:].tolist()
 
 
 def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype) -> torch.Tensor:
@@ -143,17 +145,22 @@ def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype) -> torc
 
 
 def keep_cache_entries(cache, past: int, keep: list[int]) -> None:
-    """After a tree forward, keep the first ``past`` entries and the tree nodes ``keep`` (in order)."""
-    index = None
+    """After a tree forward, keep the first ``past`` entries and the tree nodes ``keep`` (in order).
+
+    Tail-only: the kept nodes' K/V move into place right after the committed context and the rest is sliced
+    off (a view); nothing before ``past`` is touched."""
+    source = None
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise ValueError(f"tree verification needs full-attention dynamic cache layers, got {type(layer).__name__}")
         if not layer.is_initialized:
             continue
-        if index is None:
-            index = torch.cat([torch.arange(past), past + torch.tensor(keep, dtype=torch.long)]).to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+        if source is None:
+            source = (past + torch.tensor(keep, dtype=torch.long)).to(layer.keys.device)  # [m]
+        end = past + len(keep)
+        layer.keys[..., past:end, :] = layer.keys.index_select(-2, source.to(layer.keys.device))  # [b, h, m, hd]
+        layer.values[..., past:end, :] = layer.values.index_select(-2, source.to(layer.values.device))
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
 def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None) -> tuple[list[int], int]:
@@ -187,47 +194,110 @@ def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None) -> tuple
         node = child
 
 
-# Nodes per tree by device, for tree_budget="auto". CPU: measured on a 2-core AVX2 EPYC in fp32 (docs/evaluation.md):
-# a 17-node forward costs what the 8-token block costs (2.0x a one-token forward) and 16 nodes gave the most tokens
-# per cost of 0/4/8/16/32 (the shipped weights, ShareGPT-dev); 32 nodes cost 2.9x. GPU: not measured here; a
-# forward of a few dozen tokens costs about one decode step there, so the budget is larger.
-DEFAULT_TREE_BUDGET = {"cpu": 16, "cuda": 32}
+# Tokens committed per step by a tree of N nodes over those of one path of the same drafter (greedy, the shipped
+# weights, fp32; docs/tree/acceptance_*.json: ShareGPT-dev 1.71 -> 1.81 / 2.02 / 2.22 / 2.35 at 4 / 8 / 16 / 32
+# nodes, HumanEval 1.51 -> 1.64 / 1.79 / 1.91 / 2.02): the mean ratio of the two sets. Larger trees: not measured.
+TREE_GAIN = {4: 1.07, 8: 1.18, 16: 1.28, 32: 1.36}
+# A tree must promise this much more than one path: building and walking it costs host work per step that the
+# cost model leaves out, and one path can also skip a useless draft (plain and n-gram steps) where a tree always drafts.
+TREE_MARGIN = 1.1
 
 
-def default_tree_budget(param: torch.Tensor) -> int:
-    return DEFAULT_TREE_BUDGET.get(param.device.type, DEFAULT_TREE_BUDGET["cpu"])
+def choose_tree_budget(costs, drafter_acceptance: list[float]) -> tuple[int, dict]:
+    """(node budget, the values compared): a tree of N nodes where it commits the most tokens per unit of cost,
+    else 0 (one path). ``costs``: a StepCosts; ``drafter_acceptance``: P(block position i accepted), calibrated.
+
+    One path verifying L tokens commits ``1 + sum_{i<L} a_i`` for ``verify(L) + draft``; a tree commits
+    ``TREE_GAIN[N]`` times the whole path's tokens for ``verify(N) + draft``; a plain step 1 for 1. The best tree
+    is taken when it beats the best of the rest by ``TREE_MARGIN``.
+    """
+    values = {"plain": 1.0}
+    expected = 1.0
+    for length, a in enumerate(drafter_acceptance, start=1):
+        expected += a
+        values[f"path-{length}"] = expected / (costs.verify(length) + costs.draft)
+    one_path = max(values.values())
+    trees = {f"tree-{nodes}": expected * gain / (costs.verify(nodes) + costs.draft) for nodes, gain in TREE_GAIN.items()}
+    values.update(trees)
+    best = max(trees, key=trees.get)
+    return (int(best.split("-")[1]) if trees[best] > TREE_MARGIN * one_path else 0), values
 
 
-def resolve_budget(budget, param: torch.Tensor) -> int:
-    return default_tree_budget(param) if budget == "auto" else int(budget or 0)
+def target_sliding_window(text_config) -> int | None:
+    """The target's attention window if any layer attends through one (a tree mask here has no window)."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types or "chunked_attention" in layer_types else None
+    return window if getattr(text_config, "use_sliding_window", True) else None
 
 
-def refuse_unsupported(target, generation_config) -> None:
-    """Tree mode's limits, as clear errors."""
-    if getattr(target, "_is_stateful", False) or getattr(target, "_dflash2_was_stateful", False):
-        raise ValueError(
-            "tree verification (drafter.config.tree_budget) cannot run on a stateful target: its linear-attention "
-            "state would scan all tree branches in one order. Set drafter.config.tree_budget = None (linear drafts "
-            "with exact rollback) for this target.")
+def tree_support_problem(target, generation_config, cache=None) -> str | None:
+    """Why tree verification cannot run exactly on this target and call (None: it can), decided before any forward."""
+    if getattr(target, "_is_stateful", False):
+        return ("a stateful target (linear attention) would scan all tree branches in one order; linear drafts with "
+                "exact rollback serve it")
+    window = target_sliding_window(target.config.get_text_config())
+    if window is not None:
+        return (f"the target attends through a {window}-token sliding window, which the tree mask does not apply; "
+                "linear drafts serve it exactly")
+    if generation_config.cache_implementation not in (None, "dynamic") or (
+        cache is not None and any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", []))
+    ):
+        what = generation_config.cache_implementation or type(cache).__name__
+        return (f"tree verification compacts a dynamic cache in place; a {what} cache is not supported: "
+                "drop cache_implementation (dynamic cache)")
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or generation_config.output_hidden_states):
-        raise ValueError("tree verification returns sequences, scores, logits and the cache; it cannot return attentions or "
-                         "hidden states: drop output_attentions/output_hidden_states or set drafter.config.tree_budget = None")
+        return ("tree verification returns sequences, scores, logits and the cache, not attentions or hidden states: "
+                "drop output_attentions/output_hidden_states")
+    return None
+
+
+def refuse_unsupported(target, generation_config, cache=None) -> None:
+    """Tree mode's limits, as clear errors (before the first forward)."""
+    problem = tree_support_problem(target, generation_config, cache)
+    if problem is not None:
+        raise ValueError(f"tree verification (drafter.config.tree_budget) cannot run here: {problem}. "
+                         "Set drafter.config.tree_budget = None (one path) for this call.")
+
+
+# Attention backends that take an arbitrary (tree) mask; a flash kernel reads a 4D mask as a padding mask.
+TREE_MASK_BACKEND = "sdpa"
+
+
+@contextlib.contextmanager
+def tree_mask_attention(target):
+    """Run the target's attention through a backend that takes the 4D tree mask (SDPA) when its own cannot
+    (flash-attention 2/3 and their hub-kernel variants). Same cache layout, so prefill and plain steps keep
+    the fast kernel; only the verification forward switches."""
+    config = target.config.get_text_config()
+    current = config._attn_implementation
+    if current is None or "flash" not in current:
+        yield
+        return
+    config._attn_implementation_internal = TREE_MASK_BACKEND
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = current
 
 
 @torch.no_grad()
 def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                  make_generator=None, **model_kwargs):
+                  make_generator=None, budget=None, **model_kwargs):
     """The tree loop in place of transformers' ``_assisted_decoding``; same inputs, same outputs."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    refuse_unsupported(target, generation_config)
+    cache = model_kwargs.get("past_key_values")
+    refuse_unsupported(target, generation_config, cache)
     if input_ids.shape[0] != 1:
         raise ValueError(f"tree verification runs batch size 1, got {input_ids.shape[0]}: generate prompt by prompt")
-    gen = make_generator(target, drafter, generation_config, logits_processor)  # the drafter's context cache and stats
-    cache = model_kwargs.get("past_key_values")
     if cache is None:
         raise RuntimeError("tree verification needs the target's dynamic cache (use_cache=True)")
-    budget = resolve_budget(drafter.config.tree_budget, next(target.parameters()))
+    gen = make_generator(target, drafter, generation_config, logits_processor)  # the drafter's context cache and stats
+    if budget is None:
+        budget = int(drafter.config.tree_budget or 0)
+    gen.stats.mode = f"tree-{budget}"
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set() if eos is None else set(eos.view(-1).tolist())
@@ -240,6 +310,7 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         attention_mask = torch.ones_like(input_ids)
     lm_head = gen.lm_head
     vocab_ids = getattr(lm_head, "vocab_ids", None)
+    vocab_ids = None if vocab_ids is None else vocab_ids.to(gen.device)
 
     # prefill: the prompt's features, the first token
     out = target(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
@@ -270,8 +341,8 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         if room > 1:
             hidden = gen.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
             logits = drafter.draft_logits(lm_head, hidden)[0]  # [B-1, V']
-            candidates, child_log_probs = selector_log_probs(drafter, hidden[0], logits, vocab_ids)
-            tree = build_tree(anchor, candidates, child_log_probs, budget, room - 1)
+            candidates, log_probs = lattice_log_probs(drafter, hidden[0], logits, vocab_ids, anchor)
+            tree = build_tree(anchor, candidates, log_probs, budget, room - 1)
             if gen.ngram is not None:
                 gen.ngram.extend(input_ids[0, len(gen.ngram.ids):].tolist())
                 match = gen.ngram.lookup(min(gen.ngram_tokens, room - 1))
@@ -280,10 +351,11 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         gen.stats.draft_seconds += time.perf_counter() - t0
         # 3. verify every node in one forward
         depths = torch.tensor(tree.depths, device=input_ids.device)
-        out = target(input_ids=torch.tensor([tree.tokens], device=input_ids.device),
-                     position_ids=(past + depths)[None],
-                     attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype),
-                     past_key_values=cache, use_cache=True, output_hidden_states=layers)
+        with tree_mask_attention(target):
+            out = target(input_ids=torch.tensor([tree.tokens], device=input_ids.device),
+                         position_ids=(past + depths)[None],
+                         attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype),
+                         past_key_values=cache, use_cache=True, output_hidden_states=layers)
         node_raw = out.logits[0].float()  # [N, V]
         processed = {}
 

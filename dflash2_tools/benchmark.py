@@ -14,6 +14,9 @@ own ``generate``:
 * ``dflash2+ngram``: the plain call as a user makes it, ``target.generate(..., assistant_model=drafter)``:
   the hybrid rule verifies the block draft or a prompt-lookup continuation each step (ngram_dflash2.py);
   ``dflash2+ngram-kN`` (``--ngram-tokens N``) with n-gram continuations of up to N tokens
+* ``dflash2+ngram-table``: the plain call as it was before step costs were measured: the per-device
+  cost table (``costs_dflash2.table_step_costs``) and one path per step (``dflash2+ngram`` measures
+  the costs and lets ``tree_budget="auto"`` pick a tree where they say it pays)
 * ``dflash2-fullvocab``: the same with the full LM head instead of the drafter's draft vocabulary
   (``draft_vocab_ids``; run only when the drafter has one): what the sub-vocabulary saves and costs
 * ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
@@ -50,7 +53,7 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
            "llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 
@@ -152,9 +155,17 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
             kw["prompt_lookup_num_tokens"] = int(method[len("dflash2+ngram-k"):])
         elif not method.startswith(("dflash2+ngram", "dflash2-tree+ngram")):
             kw["prompt_lookup_num_tokens"] = 0  # the block draft alone
-        overrides = {"tree_budget": tree_nodes if method.startswith("dflash2-tree") else None}
+        overrides = {}
+        if method.startswith("dflash2-tree"):
+            overrides["tree_budget"] = tree_nodes
+        elif not method.startswith("dflash2+ngram") or method == "dflash2+ngram-table":
+            overrides["tree_budget"] = None  # one path (the plain call keeps the drafter's own tree_budget, "auto")
         if method == "dflash2-fullvocab":
             overrides["draft_vocab_ids"] = None
+        if method == "dflash2+ngram-table":  # before measured costs: the per-device table, one path
+            param = next(drafter.parameters())
+            table = root.costs_of(drafter).table_step_costs(param.device, param.dtype)
+            overrides["hybrid_ngram"] = {**(drafter.config.hybrid_ngram or {}), "costs": table}
         with config_override(drafter, **overrides), gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
         stats = runs[-1] if runs else None
@@ -177,6 +188,8 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
         "per_position_acceptance": stats.per_position_acceptance if stats else None,
         "accept_lengths": stats.accept_lengths if stats else None,
         "per_proposer": stats.as_dict()["per_proposer"] if stats else None,
+        "mode": stats.mode if stats else None,
+        "costs": stats.costs if stats else None,
     }
 
 
@@ -252,6 +265,7 @@ def summarize(results):
             "lossless": f"{sum(checked)}/{len(checked)}" if checked else ("n/a (llama.cpp's own text)" if method in LLAMACPP_METHODS else "n/a (sampling)"),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
             "per_proposer": {k: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)} for k, c in proposers.items()},
+            "modes": sorted({r["mode"] for r in rs if r.get("mode")}),  # linear / tree-N: what tree_budget="auto" chose
             **{k: statistics.median(r[k] for r in rs) for k in ("step_ms", "step_target_forward_ms", "step_draft_ms", "step_overhead_ms")},
         })
     return rows

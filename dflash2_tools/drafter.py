@@ -13,7 +13,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "ngram_dflash2.py", "rollback_dflash2.py", "stats_dflash2.py", "tree_dflash2.py")
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "costs_dflash2.py", "devices_dflash2.py",
+                     "ngram_dflash2.py", "rollback_dflash2.py", "stats_dflash2.py", "tree_dflash2.py")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,6 +53,11 @@ def generation_of(drafter):
     statistics in its own module; reading the root module's would silently give empty stats.
     """
     return _package_module(type(drafter).__module__, "generation_dflash2")
+
+
+def costs_of(drafter):
+    """The ``costs_dflash2`` module (step costs measured on the device) of the drafter's own package."""
+    return _package_module(type(drafter).__module__, "costs_dflash2")
 
 
 def ngram_of(drafter):

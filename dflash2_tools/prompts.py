@@ -171,7 +171,14 @@ PROMPT_SETS = {
 TRAINING_PROMPT_SOURCES = {
     "sharegpt-first-turns": lambda: sharegpt_prompts("train"),
     "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
+    "sharegpt-code-math": lambda: _code_math_prompts("train"),
 }
+
+
+def _code_math_prompts(split: str) -> list[dict]:
+    from .prompt_domains import sharegpt_code_math_prompts  # imported here: prompt_domains builds on this module
+
+    return sharegpt_code_math_prompts(split)
 
 
 def load_prompt_set(name: str) -> list[dict]:

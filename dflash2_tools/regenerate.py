@@ -34,6 +34,7 @@ CHUNK = 64
 PROMPT_SET_META = {  # what meta.json says (the first-turn text is the earlier folders' own, so they resume)
     "sharegpt-first-turns": "sharegpt-train (first human turn)",
     "sharegpt-all-turns": "sharegpt-train (every human turn, history trimmed to the prompt budget)",
+    "sharegpt-code-math": "sharegpt-train turns asking for code or math (prompt_domains.py), evaluation near-duplicates dropped",
 }
 
 
@@ -141,7 +142,8 @@ def main(argv=None):
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     records = TRAINING_PROMPT_SOURCES[args.prompts]()
     random.Random(args.seed).shuffle(records)
-    records.sort(key=lambda r: r.get("turn", 1) == 0)  # stable: all-turns puts first turns last (see prompts.py)
+    if args.prompts == "sharegpt-all-turns":
+        records.sort(key=lambda r: r.get("turn", 1) == 0)  # stable: first turns last (earlier folders hold them)
     if args.limit:
         records = records[: args.offset + args.limit]
     n_chunks = (len(records) + CHUNK - 1) // CHUNK

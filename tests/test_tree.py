@@ -18,9 +18,10 @@ def tree_module():
 
 
 def test_best_first_tree_keeps_the_most_probable_nodes(tree_module):
-    candidates = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])  # [n=3, K=3]
-    table = {0: [0.6, 0.3, 0.1], 1: [0.9, 0.05, 0.05], 2: [0.5, 0.4, 0.1]}  # position -> child probabilities
-    tree = tree_module.build_tree(7, candidates, lambda t, parent: torch.tensor(table[t]).log(), budget=4, max_depth=3)
+    candidates = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]  # [n=3][K=3]
+    table = {0: [0.6, 0.3, 0.1], 1: [0.9, 0.05, 0.05], 2: [0.5, 0.4, 0.1]}  # position -> child probabilities, any parent
+    log_probs = [[torch.tensor(table[t]).log().tolist()] * 3 for t in range(3)]  # [n][K parent][K child]
+    tree = tree_module.build_tree(7, candidates, log_probs, budget=4, max_depth=3)
     # path probabilities: 10 .6, 10-20 .54, 11 .3, 10-20-30 .27 (beats 11-20 .27? tie broken by order), ...
     assert tree.tokens[0] == 7 and len(tree) == 5
     assert tree.tokens[1:] == [10, 20, 11, 30] or tree.tokens[1:] == [10, 20, 11, 20]
@@ -28,12 +29,29 @@ def test_best_first_tree_keeps_the_most_probable_nodes(tree_module):
     for node in range(len(tree)):
         kids = [tree.tokens[c] for c in tree.children[node]]
         assert len(kids) == len(set(kids))  # distinct children: no duplicate paths
-    shallow = tree_module.build_tree(7, candidates, lambda t, parent: torch.tensor(table[t]).log(), budget=20, max_depth=1)
+    shallow = tree_module.build_tree(7, candidates, log_probs, budget=20, max_depth=1)
     assert max(shallow.depths) == 1 and len(shallow) == 4  # depth limit (e.g. max_new_tokens) caps the tree
-    assert len(tree_module.build_tree(7, candidates, lambda t, p: torch.tensor(table[t]).log(), budget=0, max_depth=3)) == 1
+    assert len(tree_module.build_tree(7, candidates, log_probs, budget=0, max_depth=3)) == 1
     # the n-gram branch shares the prefix it has in common with the tree
     merged = tree_module.add_branch(tree, [10, 20, 99, 98])
     assert len(merged) == 7 and merged.tokens[-2:] == [99, 98] and merged.parents[-2] == 2
+
+
+def test_lattice_scores_every_parent_at_once(tree_module):
+    """The one-transfer lattice equals the selector's own scores S_t(parent, .) for every parent column."""
+    drafter = tiny_drafter()
+    torch.manual_seed(0)
+    hidden, logits = torch.randn(4, 48), torch.randn(4, VOCAB)
+    candidates, log_probs = tree_module.lattice_log_probs(drafter, hidden, logits, None, anchor=5)
+    selector = drafter.candidate_selector
+    top_values, top_ids = logits.topk(selector.top_k, dim=-1)
+    gated = selector.hidden_projection(hidden)
+    assert candidates == top_ids.tolist()
+    for t in range(4):
+        for j in range(selector.top_k):
+            parent = torch.tensor([5 if t == 0 else candidates[t - 1][j]])
+            want = torch.log_softmax(selector.scores(gated[t : t + 1], top_values[t : t + 1], top_ids[t : t + 1], parent)[0], -1)
+            torch.testing.assert_close(torch.tensor(log_probs[t][j]), want, rtol=1e-5, atol=1e-5)
 
 
 def test_ancestor_mask_and_tree_attention_mask(tree_module):
@@ -190,9 +208,17 @@ def test_tree_sampling_matches_target_distribution(setup, monkeypatch, processor
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
 
-def test_auto_budget_by_device(tree_module):
-    assert tree_module.resolve_budget("auto", torch.zeros(1)) == tree_module.DEFAULT_TREE_BUDGET["cpu"]
-    assert tree_module.resolve_budget(None, torch.zeros(1)) == 0 and tree_module.resolve_budget(7, torch.zeros(1)) == 7
+def test_auto_budget_follows_the_costs(tree_module):
+    """Where verification is nearly free (native bf16, a GPU) a tree commits the most per cost; where a multi-token
+    forward costs 2x a decode (fp32 on an AVX2 CPU) one path or a plain step does."""
+    ngram = root.ngram_of(tiny_drafter())
+    acceptance = [0.432, 0.209, 0.107, 0.045, 0.031, 0.015, 0.011]
+    cheap, values = tree_module.choose_tree_budget(ngram.StepCosts(0.05, 0.005, 0.2), acceptance)
+    assert cheap in tree_module.TREE_GAIN and values[f"tree-{cheap}"] == max(values.values())
+    free, _ = tree_module.choose_tree_budget(ngram.StepCosts(0.0, 0.0, 0.0), acceptance)
+    assert free == max(tree_module.TREE_GAIN)  # nothing costs more: the biggest tree
+    dear, values = tree_module.choose_tree_budget(ngram.StepCosts(0.65, 0.035, 0.25), acceptance)
+    assert dear == 0 and max(values.values()) < tree_module.TREE_MARGIN * values["plain"]
 
 
 def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
@@ -201,3 +227,38 @@ def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
     monkeypatch.setattr(root.generation_of(drafter).transformers, "__version__", "5.99.0")
     with pytest.raises(RuntimeError, match="tested with transformers"):
         target.generate(torch.tensor([prompts[0]]), assistant_model=drafter, do_sample=False, max_new_tokens=4, pad_token_id=0)
+
+
+HOST_TRANSFERS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+def host_transfers_per_forward(target, drafter, ids, max_new_tokens, monkeypatch) -> float:
+    """Calls that move a tensor's value to the host (each a device sync on a GPU) per target forward, counted through
+    the public call."""
+    counts, forwards = [0], [0]
+    handle = target.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+    with monkeypatch.context() as m:
+        for name in HOST_TRANSFERS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *a, _original=original, **k):
+                counts[0] += 1
+                return _original(self, *a, **k)
+
+            m.setattr(torch.Tensor, name, counted)
+        target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    handle.remove()
+    return counts[0] / forwards[0]
+
+
+def test_tree_step_host_transfers_do_not_grow_with_the_budget(monkeypatch):
+    """One transfer for the whole lattice: the count per target forward is a small constant at 8 and 64 nodes
+    (it was ~130 and ~850 when the tree was grown with a transfer per expanded node)."""
+    target = tiny_target("llama")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    per_forward = {}
+    for budget in (8, 64):
+        drafter = tiny_drafter(target, block_size=9, tree_budget=budget)
+        per_forward[budget] = host_transfers_per_forward(target, drafter, ids, 40, monkeypatch)
+    assert per_forward[8] <= 24 and per_forward[64] <= 24, per_forward
+    assert abs(per_forward[64] - per_forward[8]) <= 3, per_forward

@@ -65,7 +65,7 @@ def blocks_forward(drafter, target, head: LossHead, tokens, lengths, anchors, va
     positions = torch.cat(
         [torch.arange(T, device=dev)[None].expand(b, -1), (anchors[:, :, None] + torch.arange(B, device=dev)).view(b, -1)], dim=1
     )  # [b, T + n*B]
-    mask = M.multi_block_training_mask(anchors, B, T, cfg.sliding_window)  # [b, 1, n*B, T + n*B]
+    mask = M.multi_block_training_mask(anchors, B, T, cfg.sliding_window, cfg.is_causal)  # [b, 1, n*B, T + n*B]
     out = drafter(noise_embeds=noise, context_hidden_states=features.to(noise.dtype), position_ids=positions, attention_mask=mask)
     hidden = out.last_hidden_state.view(b, n_blocks, B, -1)[:, :, 1:]  # [b, n, B-1, H]
     logits = drafter.draft_logits(head.module, hidden)  # [b, n, B-1, V']

@@ -1,0 +1,160 @@
+"""What a decoding step costs on THIS device, measured once per process, for the hybrid rule and the tree choice.
+
+The rule (ngram_dflash2.HybridRule) weighs expected tokens against cost in one-token target forwards:
+verifying L drafted tokens costs ``1 + multi_token_step + per_token * L`` and a draft costs ``draft``.
+Those numbers differ by orders of magnitude between a compute-bound CPU (a 16-token forward ~2x a
+one-token one), a CPU with native bf16 (~1.1x) and a GPU (~1x for a dense model, more for a MoE whose
+extra tokens touch extra experts). So at first use per (device, dtype, target, drafter) we time:
+
+    t(n)   a target forward of n = 1, 2 and ``block_size`` tokens (fresh cache, the taps asked for)
+    draft  a drafter forward over a block + the draft head + the selector walk
+
+(CUDA events on a GPU, ``perf_counter`` elsewhere; one warm-up, then rounds of all four until ~0.3 s
+are spent, at most 3; medians), and fit ``t(n) / t(1) = 1 + multi_token_step + per_token * (n - 1)``
+through n = 2 and n = block_size. ``hybrid_ngram["costs"]`` in the drafter config still overrides;
+the per-device table (``table_step_costs``) is the fallback when a measurement cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+
+MEASURE_SECONDS = 0.3  # stop adding rounds past this (the first round always completes)
+MAX_ROUNDS = 3
+_MEASURED: dict[tuple, dict] = {}  # per process: key -> costs
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
+    except OSError:  # not Linux: assume emulated bf16
+        return False
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def table_step_costs(device: torch.device, dtype: torch.dtype) -> dict:
+    """The fallback: costs by device class, from profiles of SmolLM2-135M on 2-core CPUs (docs/evaluation.md).
+
+    fp32 on an AVX2 EPYC: a 1-token forward 59 ms and 2 / 4 / 8 / 16 tokens 1.69 / 1.77 / 2.10 / 2.16 of it,
+    the draft ~0.25; native bf16 (AVX-512 bf16): an 8-token verification 55-60 ms against 51-56 ms, the draft
+    10-11 ms; emulated bf16 (AVX2): each extra token ~0.38, the draft 0.55. A GPU: verification assumed free.
+    """
+    if torch.device(device).type != "cpu":
+        return {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.1}
+    if dtype == torch.float32:
+        return {"multi_token_step": 0.65, "per_token": 0.035, "draft": 0.25}
+    if cpu_has_native_bf16():
+        return {"multi_token_step": 0.05, "per_token": 0.005, "draft": 0.2}
+    return {"multi_token_step": 0.0, "per_token": 0.38, "draft": 0.55}
+
+
+def fit_costs(t1: float, t2: float, tb: float, block: int, draft: float) -> dict:
+    """Cost-model numbers (in one-token forwards) from medians of 1-, 2- and ``block``-token forwards and a draft."""
+    c2, cb = t2 / t1, tb / t1
+    per_token = max(0.0, (cb - c2) / max(block - 2, 1))
+    multi = max(0.0, c2 - 1.0 - per_token)
+    return {"multi_token_step": round(multi, 4), "per_token": round(per_token, 4), "draft": round(draft / t1, 4)}
+
+
+class _Timer:
+    """Elapsed seconds of a callable: CUDA events on a GPU (no host sync inside the timed region), else perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def _cache_key(target, drafter, device, dtype) -> tuple:
+    tcfg = target.config.get_text_config()
+    return (str(device), str(dtype), type(target).__name__, getattr(target.config, "_name_or_path", ""),
+            tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, drafter.config.block_size, drafter.config.num_hidden_layers)
+
+
+@torch.no_grad()
+def measure_step_costs(target, drafter, lm_head, device: torch.device) -> dict:
+    """Time the target's 1-, 2- and block-token forwards and one draft; return the fitted costs (see module doc)."""
+    cfg = drafter.config
+    block = cfg.block_size
+    tdevice = target.get_input_embeddings().weight.device
+    tdevice = tdevice if tdevice.type != "meta" else device
+    rng = torch.Generator().manual_seed(0)  # its own: a measurement inside a sampling call leaves the global RNG alone
+    ids = torch.randint(0, cfg.vocab_size, (1, block), generator=rng).to(tdevice)  # [1, B]
+    layers = [i + 1 for i in cfg.target_layer_ids]
+    dtype = next(drafter.parameters()).dtype
+    noise = torch.randn(1, block, cfg.hidden_size, generator=rng).to(device, dtype)  # [1, B, H]
+    context = torch.randn(1, 4, len(cfg.target_layer_ids) * cfg.hidden_size, generator=rng).to(device, dtype)  # [1, 4, n*H]
+    anchor = ids[:, -1].to(device)
+
+    def forward(n):
+        return lambda: target(input_ids=ids[:, :n], use_cache=True, output_hidden_states=layers)
+
+    def draft():
+        hidden = drafter(noise_embeds=noise, context_hidden_states=context).last_hidden_state[:, 1:]  # [1, B-1, H]
+        logits = drafter.draft_logits(lm_head, hidden).float()  # [1, B-1, V']
+        if drafter.candidate_selector is not None:
+            vocab_ids = getattr(lm_head, "vocab_ids", None)
+            drafter.candidate_selector.walk(hidden, logits, anchor, 0.0, vocab_ids=None if vocab_ids is None else vocab_ids.to(device))
+        else:
+            logits.argmax(-1)
+
+    timer = _Timer(device)
+    jobs = {"t1": forward(1), "t2": forward(2), "tb": forward(block), "draft": draft}
+    for job in jobs.values():  # warm-up (kernels, allocator, lazy hooks)
+        job()
+    times = {name: [] for name in jobs}
+    spent = time.perf_counter()
+    for _ in range(MAX_ROUNDS):
+        for name, job in jobs.items():
+            times[name].append(timer(job))
+        if time.perf_counter() - spent > MEASURE_SECONDS:
+            break
+    med = {name: statistics.median(v) for name, v in times.items()}
+    costs = fit_costs(med["t1"], med["t2"], med["tb"], block, med["draft"])
+    costs["one_token_ms"] = round(med["t1"] * 1000, 3)
+    return costs
+
+
+def step_costs(target, drafter, lm_head, device: torch.device) -> tuple[dict, str]:
+    """(costs, source): the config's ``hybrid_ngram["costs"]`` ("config"), else measured once per process
+    ("measured"), else the device table ("table") when the measurement failed. ``lm_head``: the draft head
+    (None: built from the target's when a measurement needs it)."""
+    configured = drafter.config.hybrid_settings()["costs"]
+    if configured is not None:
+        return dict(configured), "config"
+    dtype = next(drafter.parameters()).dtype
+    key = _cache_key(target, drafter, device, dtype)
+    if key not in _MEASURED:
+        try:
+            lm_head = lm_head if lm_head is not None else drafter.draft_head(target.get_output_embeddings())
+            _MEASURED[key] = measure_step_costs(target, drafter, lm_head, device)
+        except (RuntimeError, ValueError, TypeError) as error:  # a target whose bare forward we cannot call: the table
+            return {**table_step_costs(device, dtype), "error": f"{type(error).__name__}: {error}"[:200]}, "table"
+    return dict(_MEASURED[key]), "measured"
+
+
+def rule_costs(costs: dict) -> dict:
+    """The three numbers the cost model takes (a measurement also carries its one-token time)."""
+    return {k: costs[k] for k in ("multi_token_step", "per_token", "draft")}
+
+
+__all__ = ["cpu_has_native_bf16", "fit_costs", "measure_step_costs", "rule_costs", "step_costs", "table_step_costs"]
