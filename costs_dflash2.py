@@ -6,12 +6,15 @@ Those numbers differ by orders of magnitude between a compute-bound CPU (a 16-to
 one-token one), a CPU with native bf16 (~1.1x) and a GPU (~1x for a dense model, more for a MoE whose
 extra tokens touch extra experts). So at first use per (device, dtype, target, drafter) we time:
 
-    t(n)   a target forward of n = 1, 2 and ``block_size`` tokens (fresh cache, the taps asked for)
+    t(n)   a target forward of n = 1, 2 and n_max tokens (fresh cache, the taps asked for); n_max = the longest
+           linear verification, 1 + max(block_size - 1, the n-gram continuation length)
     draft  a drafter forward over a block + the draft head + the selector walk
 
-(CUDA events on a GPU, ``perf_counter`` elsewhere; one warm-up, then rounds of all four until ~0.3 s
-are spent, at most 3; medians), and fit ``t(n) / t(1) = 1 + multi_token_step + per_token * (n - 1)``
-through n = 2 and n = block_size. ``hybrid_ngram["costs"]`` in the drafter config still overrides;
+(CUDA events on a GPU, ``perf_counter`` elsewhere; an n_max forward and a draft to warm up, then 2 rounds of
+all four, a third if they took under 0.3 s; medians), and fit ``t(n) / t(1) = 1 + multi_token_step +
+per_token * (n - 1)`` through n = 2 and n_max: the fit is exact at the shortest and the longest verification
+(the true curve is concave: a longer GEMM is more efficient per token, so fitting through the block alone would
+overcharge long n-gram continuations). ``hybrid_ngram["costs"]`` in the drafter config still overrides;
 the per-device table (``table_step_costs``) is the fallback when a measurement cannot run.
 """
 
@@ -23,8 +26,8 @@ import time
 
 import torch
 
-MEASURE_SECONDS = 0.3  # stop adding rounds past this (the first round always completes)
-MAX_ROUNDS = 3
+MEASURE_SECONDS = 0.3  # stop adding rounds past this, once MIN_ROUNDS are in
+MIN_ROUNDS, MAX_ROUNDS = 2, 3
 _MEASURED: dict[tuple, dict] = {}  # per process: key -> costs
 
 
@@ -57,10 +60,10 @@ def table_step_costs(device: torch.device, dtype: torch.dtype) -> dict:
     return {"multi_token_step": 0.0, "per_token": 0.38, "draft": 0.55}
 
 
-def fit_costs(t1: float, t2: float, tb: float, block: int, draft: float) -> dict:
-    """Cost-model numbers (in one-token forwards) from medians of 1-, 2- and ``block``-token forwards and a draft."""
-    c2, cb = t2 / t1, tb / t1
-    per_token = max(0.0, (cb - c2) / max(block - 2, 1))
+def fit_costs(t1: float, t2: float, tn: float, n: int, draft: float) -> dict:
+    """Cost-model numbers (in one-token forwards) from medians of 1-, 2- and ``n``-token forwards and a draft."""
+    c2, cn = t2 / t1, tn / t1
+    per_token = max(0.0, (cn - c2) / max(n - 2, 1))
     multi = max(0.0, c2 - 1.0 - per_token)
     return {"multi_token_step": round(multi, 4), "per_token": round(per_token, 4), "draft": round(draft / t1, 4)}
 
@@ -92,13 +95,14 @@ def _cache_key(target, drafter, device, dtype) -> tuple:
 
 @torch.no_grad()
 def measure_step_costs(target, drafter, lm_head, device: torch.device) -> dict:
-    """Time the target's 1-, 2- and block-token forwards and one draft; return the fitted costs (see module doc)."""
+    """Time the target's 1-, 2- and longest-verification forwards and one draft; return the fitted costs (module doc)."""
     cfg = drafter.config
     block = cfg.block_size
+    longest = 1 + max(block - 1, cfg.hybrid_settings()["num_tokens"])  # the most tokens a linear step verifies
     tdevice = target.get_input_embeddings().weight.device
     tdevice = tdevice if tdevice.type != "meta" else device
     rng = torch.Generator().manual_seed(0)  # its own: a measurement inside a sampling call leaves the global RNG alone
-    ids = torch.randint(0, cfg.vocab_size, (1, block), generator=rng).to(tdevice)  # [1, B]
+    ids = torch.randint(0, cfg.vocab_size, (1, longest), generator=rng).to(tdevice)  # [1, n_max]
     layers = [i + 1 for i in cfg.target_layer_ids]
     dtype = next(drafter.parameters()).dtype
     noise = torch.randn(1, block, cfg.hidden_size, generator=rng).to(device, dtype)  # [1, B, H]
@@ -118,30 +122,40 @@ def measure_step_costs(target, drafter, lm_head, device: torch.device) -> dict:
             logits.argmax(-1)
 
     timer = _Timer(device)
-    jobs = {"t1": forward(1), "t2": forward(2), "tb": forward(block), "draft": draft}
-    for job in jobs.values():  # warm-up (kernels, allocator, lazy hooks)
-        job()
+    jobs = {"t1": forward(1), "t2": forward(2), "tn": forward(longest), "draft": draft}
+    jobs["tn"]()  # warm-up: every weight and the multi-token path once (the one-token path warms in round one)
+    draft()
     times = {name: [] for name in jobs}
     spent = time.perf_counter()
-    for _ in range(MAX_ROUNDS):
+    for round_ in range(MAX_ROUNDS):
         for name, job in jobs.items():
             times[name].append(timer(job))
-        if time.perf_counter() - spent > MEASURE_SECONDS:
+        if round_ + 1 >= MIN_ROUNDS and time.perf_counter() - spent > MEASURE_SECONDS:
             break
     med = {name: statistics.median(v) for name, v in times.items()}
-    costs = fit_costs(med["t1"], med["t2"], med["tb"], block, med["draft"])
+    costs = fit_costs(med["t1"], med["t2"], med["tn"], longest, med["draft"])
     costs["one_token_ms"] = round(med["t1"] * 1000, 3)
     return costs
 
 
 def step_costs(target, drafter, lm_head, device: torch.device) -> tuple[dict, str]:
-    """(costs, source): the config's ``hybrid_ngram["costs"]`` ("config"), else measured once per process
-    ("measured"), else the device table ("table") when the measurement failed. ``lm_head``: the draft head
-    (None: built from the target's when a measurement needs it)."""
+    """(costs, source) for this call, by ``hybrid_ngram["costs"]``:
+
+    * a dict: those numbers ("config");
+    * ``"table"``: the per-device table ("table");
+    * ``"measured"``: measured once per process ("measured"; the table if the measurement fails);
+    * None (default): the table on an fp32 CPU -- the regime the shipped rule's ``drafter_scale`` and
+      ``ngram_margin`` were grid-searched in together with those numbers (``calibrate_hybrid --costs``), where
+      they beat this CPU's own measured costs (docs/evaluation.md) -- and measured everywhere else (GPUs, bf16),
+      where the table is far from the truth.
+
+    ``lm_head``: the draft head (None: built from the target's when a measurement needs it)."""
     configured = drafter.config.hybrid_settings()["costs"]
-    if configured is not None:
-        return dict(configured), "config"
     dtype = next(drafter.parameters()).dtype
+    if isinstance(configured, dict):
+        return dict(configured), "config"
+    if configured == "table" or (configured is None and torch.device(device).type == "cpu" and dtype == torch.float32):
+        return table_step_costs(device, dtype), "table"
     key = _cache_key(target, drafter, device, dtype)
     if key not in _MEASURED:
         try:

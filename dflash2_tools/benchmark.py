@@ -14,9 +14,9 @@ own ``generate``:
 * ``dflash2+ngram``: the plain call as a user makes it, ``target.generate(..., assistant_model=drafter)``:
   the hybrid rule verifies the block draft or a prompt-lookup continuation each step (ngram_dflash2.py);
   ``dflash2+ngram-kN`` (``--ngram-tokens N``) with n-gram continuations of up to N tokens
-* ``dflash2+ngram-table``: the plain call as it was before step costs were measured: the per-device
-  cost table (``costs_dflash2.table_step_costs``) and one path per step (``dflash2+ngram`` measures
-  the costs and lets ``tree_budget="auto"`` pick a tree where they say it pays)
+* ``dflash2+ngram-table`` / ``dflash2+ngram-measured``: the plain call with one path per step and the step
+  costs forced to the per-device table (as before costs were measured) / to this device's measurement
+  (``costs_dflash2.step_costs``); ``dflash2+ngram`` is the default: costs by device, ``tree_budget="auto"``
 * ``dflash2-fullvocab``: the same with the full LM head instead of the drafter's draft vocabulary
   (``draft_vocab_ids``; run only when the drafter has one): what the sub-vocabulary saves and costs
 * ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
@@ -53,7 +53,7 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash2+ngram-measured", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
            "llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 
@@ -158,14 +158,12 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
         overrides = {}
         if method.startswith("dflash2-tree"):
             overrides["tree_budget"] = tree_nodes
-        elif not method.startswith("dflash2+ngram") or method == "dflash2+ngram-table":
+        elif not method.startswith("dflash2+ngram") or method in ("dflash2+ngram-table", "dflash2+ngram-measured"):
             overrides["tree_budget"] = None  # one path (the plain call keeps the drafter's own tree_budget, "auto")
         if method == "dflash2-fullvocab":
             overrides["draft_vocab_ids"] = None
-        if method == "dflash2+ngram-table":  # before measured costs: the per-device table, one path
-            param = next(drafter.parameters())
-            table = root.costs_of(drafter).table_step_costs(param.device, param.dtype)
-            overrides["hybrid_ngram"] = {**(drafter.config.hybrid_ngram or {}), "costs": table}
+        if method in ("dflash2+ngram-table", "dflash2+ngram-measured"):  # the step costs forced to one source
+            overrides["hybrid_ngram"] = {**(drafter.config.hybrid_ngram or {}), "costs": method.rsplit("-", 1)[1]}
         with config_override(drafter, **overrides), gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)
         stats = runs[-1] if runs else None

@@ -364,7 +364,7 @@ def test_auto_tree_budget_falls_back_to_one_path_where_a_tree_cannot_be_exact():
 
 
 def test_fit_costs_recovers_a_linear_cost_model():
-    fit = root_costs().fit_costs(t1=0.010, t2=0.016, tb=0.024, block=10, draft=0.003)
+    fit = root_costs().fit_costs(t1=0.010, t2=0.016, tn=0.024, n=10, draft=0.003)
     # t(n)/t(1) = 1 + m + p (n - 1): 1.6 at n=2, 2.4 at n=10 -> p = 0.1, m = 0.5
     assert fit == {"multi_token_step": pytest.approx(0.5), "per_token": pytest.approx(0.1), "draft": pytest.approx(0.3)}
 
@@ -376,7 +376,7 @@ def root_costs():
 def test_costs_are_measured_once_per_process_and_reported(monkeypatch):
     costs_module = root_costs()
     target = tiny_target("llama")
-    drafter = tiny_drafter(target, hybrid_ngram=None)
+    drafter = tiny_drafter(target, hybrid_ngram={"costs": "measured"})
     calls = []
     real = costs_module.measure_step_costs
     monkeypatch.setattr(costs_module, "_MEASURED", {})
@@ -389,6 +389,11 @@ def test_costs_are_measured_once_per_process_and_reported(monkeypatch):
     configured = tiny_drafter(target, hybrid_ngram={"costs": FREE_COSTS})
     _, st = gen.dflash2_generate(target, configured, torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
     assert st.costs == {**FREE_COSTS, "source": "config"} and len(calls) == 1
+    # the default: on an fp32 CPU the table the shipped rule was calibrated with; measured for other dtypes / devices
+    _, st = gen.dflash2_generate(target, tiny_drafter(target, hybrid_ngram=None), torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
+    assert st.costs["source"] == "table" and len(calls) == 1
+    c, source = costs_module.step_costs(target.to(torch.bfloat16), tiny_drafter(target, hybrid_ngram=None).to(torch.bfloat16), None, torch.device("cpu"))
+    assert source == "measured" and len(calls) == 2
 
 
 # ---- 7. the demo says what holds --------------------------------------------------------------------------------
