@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 
 @dataclass
@@ -137,30 +137,44 @@ def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab
     return host[:, 0].long().tolist(), host[:, 1:].tolist()
 
 
-def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N, past + N]: the committed context (its own padding mask) and ancestors."""
+def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N, key_length]: the committed context (its own padding mask) and ancestors.
+
+    ``key_length`` (default past + N): a static cache attends over all its slots; those after the tree are masked."""
     allowed = torch.cat([past_mask.bool()[None].expand(len(tree), -1), tree.ancestor_mask().to(past_mask.device)], dim=1)  # [N, past + N]
+    if key_length is not None and key_length > allowed.shape[1]:
+        allowed = torch.nn.functional.pad(allowed, (0, key_length - allowed.shape[1]))  # [N, key_length]: stale slots masked
     mask = torch.zeros(allowed.shape, dtype=dtype, device=past_mask.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def static_cache_length(cache) -> int | None:
+    """Slots of a static cache (every layer attends over all of them), None for a dynamic one."""
+    lengths = {layer.max_cache_len for layer in cache.layers if type(layer) is StaticLayer}
+    return max(lengths) if lengths else None
 
 
 def keep_cache_entries(cache, past: int, keep: list[int]) -> None:
     """After a tree forward, keep the first ``past`` entries and the tree nodes ``keep`` (in order).
 
-    Tail-only: the kept nodes' K/V move into place right after the committed context and the rest is sliced
-    off (a view); nothing before ``past`` is touched."""
+    Tail-only: the kept nodes' K/V move into place right after the committed context; a dynamic layer slices the rest
+    off (a view), a static layer sets its length (in place: its address stays) and the mask hides the stale slots.
+    Nothing before ``past`` is touched."""
     source = None
+    end = past + len(keep)
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise ValueError(f"tree verification needs full-attention dynamic cache layers, got {type(layer).__name__}")
+        if type(layer) not in (DynamicLayer, StaticLayer):
+            raise ValueError(f"tree verification needs full-attention dynamic or static cache layers, got {type(layer).__name__}")
         if not layer.is_initialized:
             continue
         if source is None:
             source = (past + torch.tensor(keep, dtype=torch.long)).to(layer.keys.device)  # [m]
-        end = past + len(keep)
         layer.keys[..., past:end, :] = layer.keys.index_select(-2, source.to(layer.keys.device))  # [b, h, m, hd]
         layer.values[..., past:end, :] = layer.values.index_select(-2, source.to(layer.values.device))
-        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        if type(layer) is StaticLayer:
+            layer.cumulative_length.fill_(end)
+        else:
+            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
 def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None) -> tuple[list[int], int]:
@@ -241,12 +255,12 @@ def tree_support_problem(target, generation_config, cache=None) -> str | None:
     if window is not None:
         return (f"the target attends through a {window}-token sliding window, which the tree mask does not apply; "
                 "linear drafts serve it exactly")
-    if generation_config.cache_implementation not in (None, "dynamic") or (
-        cache is not None and any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", []))
+    if generation_config.cache_implementation not in (None, "dynamic", "static") or (
+        cache is not None and any(type(layer) not in (DynamicLayer, StaticLayer) for layer in getattr(cache, "layers", []))
     ):
         what = generation_config.cache_implementation or type(cache).__name__
-        return (f"tree verification compacts a dynamic cache in place; a {what} cache is not supported: "
-                "drop cache_implementation (dynamic cache)")
+        return (f"tree verification compacts a dynamic or static cache in place; a {what} cache is not supported: "
+                "use cache_implementation=\"static\" or the default dynamic cache")
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or generation_config.output_hidden_states):
         return ("tree verification returns sequences, scores, logits and the cache, not attentions or hidden states: "
                 "drop output_attentions/output_hidden_states")
@@ -316,6 +330,7 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
     out = target(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
                  output_hidden_states=layers, logits_to_keep=1)
     gen.pending_features.append(gen.prompt_features(out.hidden_states, input_ids.shape[1]))
+    slots = static_cache_length(cache)  # None: a dynamic cache
     raw = out.logits[:, -1].float()
     first = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw.clone()
     token = int(torch.multinomial(torch.softmax(first, -1), 1)) if do_sample else int(first.argmax())
@@ -335,17 +350,19 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         room = generation_config.max_length - input_ids.shape[1]  # tokens this step may still add
         # 1-2. draft a block from the anchor, grow the tree
         t0 = time.perf_counter()
-        past = cache.get_seq_length()
+        past = input_ids.shape[1] - 1  # the cache holds every committed token but the anchor (on the host: no sync)
         anchor = int(input_ids[0, -1])
         tree = root_tree(anchor)
         if room > 1:
             hidden = gen.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
             logits = drafter.draft_logits(lm_head, hidden)[0]  # [B-1, V']
             candidates, log_probs = lattice_log_probs(drafter, hidden[0], logits, vocab_ids, anchor)
-            tree = build_tree(anchor, candidates, log_probs, budget, room - 1)
+            branch = min(gen.ngram_tokens, room - 1) if gen.ngram is not None else 0
+            nodes = budget if slots is None else max(0, min(budget, slots - past - 1 - branch))  # a static cache's slots bound the tree
+            tree = build_tree(anchor, candidates, log_probs, nodes, room - 1)
             if gen.ngram is not None:
                 gen.ngram.extend(input_ids[0, len(gen.ngram.ids):].tolist())
-                match = gen.ngram.lookup(min(gen.ngram_tokens, room - 1))
+                match = gen.ngram.lookup(branch)
                 if match is not None:
                     add_branch(tree, match.tokens)
         gen.stats.draft_seconds += time.perf_counter() - t0
@@ -354,7 +371,7 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         with tree_mask_attention(target):
             out = target(input_ids=torch.tensor([tree.tokens], device=input_ids.device),
                          position_ids=(past + depths)[None],
-                         attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype),
+                         attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype, slots),
                          past_key_values=cache, use_cache=True, output_hidden_states=layers)
         node_raw = out.logits[0].float()  # [N, V]
         processed = {}

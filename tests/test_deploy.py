@@ -343,13 +343,36 @@ def test_sliding_window_and_static_cache_decided_before_any_forward(monkeypatch)
 
     target = tiny_target("llama")
     forwards = []
-    target.register_forward_pre_hook(lambda *a: forwards.append(1))
+    handle = target.register_forward_pre_hook(lambda *a: forwards.append(1))
     tree = tiny_drafter(target, tree_budget=5)
-    with pytest.raises(ValueError, match="static cache is not supported.*drop cache_implementation"):
-        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=tree, max_new_tokens=8, cache_implementation="static")
+    with pytest.raises(ValueError, match="offloaded cache is not supported.*cache_implementation=\"static\""):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=tree, max_new_tokens=8, cache_implementation="offloaded")
     assert not forwards
+    handle.remove()
     with pytest.raises(ValueError, match="Static cache"):  # the linear path: transformers' own clear refusal
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=tiny_drafter(target), max_new_tokens=8, cache_implementation="static")
+
+
+def test_tree_mode_on_a_static_cache_is_greedy_equal(accepting):
+    """Static cache in tree mode: the tree forward attends over every slot (stale ones masked), compaction moves the
+    accepted nodes into place and sets the layer's length in place; the tree shrinks to the slots left."""
+    target, trained, prompts = accepting
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([p]), new) for p in prompts[:2] for new in (5, 37)]
+    cases += [(torch.randint(0, VOCAB - 2, (1, n), generator=g), new) for n, new in ((1, 9), (9, 33))]
+    accepted = 0
+    for budget in (3, 12):
+        drafter = tiny_drafter(target, tree_budget=budget, seed=1)
+        for model in (drafter, trained):
+            model.config.tree_budget = budget
+            for ids, new in cases:
+                want = target.generate(ids, max_new_tokens=new, do_sample=False)
+                got, stats = root.generation().dflash2_generate(target, model, ids, max_new_tokens=new, do_sample=False,
+                                                                cache_implementation="static")
+                assert torch.equal(got, want) and stats.mode == f"tree-{budget}"
+                accepted += stats.accepted
+    trained.config.tree_budget = None
+    assert accepted > 20  # long acceptances went through the static compaction
 
 
 def test_auto_tree_budget_falls_back_to_one_path_where_a_tree_cannot_be_exact():
