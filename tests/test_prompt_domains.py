@@ -1,0 +1,72 @@
+"""Code and math training prompts: the domain classifier, and no evaluation problem (exact or near-duplicate) in the
+training data -- checked on the committed data itself, with a method independent of the filter that built it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import root
+
+from dflash2_tools import prompt_domains
+from dflash2_tools.regenerate import load_chunks
+
+CODE_MATH_DATA = root.REPO_ROOT / "data" / "smollm2-sharegpt-code-math-128"
+
+
+def test_domain_classifier():
+    assert prompt_domains.domain("```python\nprint(1)\n```\nwhy does this fail?") == "code"
+    assert prompt_domains.domain("Write a Python function that parses JSON from an API") == "code"
+    assert prompt_domains.domain("Solve the equation 3x + 2 = 11 and explain each step") == "math"
+    assert prompt_domains.domain("What is the probability of two heads, and the mean number of heads?") == "math"
+    assert prompt_domains.domain("Write a poem about autumn leaves") is None
+
+
+def test_guard_finds_an_evaluation_prompt_inside_a_longer_question():
+    texts = prompt_domains.evaluation_texts()
+    guard = prompt_domains.EvaluationGuard(texts)
+    humaneval = next(t for k, t in texts.items() if k.startswith("HumanEval/"))
+    champ = next(t for k, t in texts.items() if k.startswith("champ/"))
+    assert guard.match("Can you help me with this?\n" + humaneval + "\nThanks!") is not None
+    assert guard.match("Please solve: " + champ) is not None
+    assert guard.match("Write a function that reverses a linked list in place, with tests.") is None
+
+
+def char_grams(text: str, n: int = 40) -> set[str]:
+    flat = re.sub(r"\s+", " ", text.lower()).strip()
+    return {flat[i : i + n] for i in range(max(1, len(flat) - n + 1))}
+
+
+@pytest.mark.skipif(not CODE_MATH_DATA.is_dir(), reason="no code/math data committed yet")
+def test_committed_code_math_data_holds_no_evaluation_prompt():
+    """Every committed training prompt, decoded, against every HumanEval and CHAMP prompt: no evaluation prompt has
+    30% of its 40-character windows inside a training prompt (a positive control shows the check finds one)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root.REPO_ROOT)
+    prompts = [tokenizer.decode(tokens[:length]) for tokens, length in load_chunks(CODE_MATH_DATA)]
+    assert len(prompts) > 100
+    train_grams = [char_grams(p) for p in prompts]
+    index = {}
+    for i, grams in enumerate(train_grams):
+        for g in grams:
+            index.setdefault(g, set()).add(i)
+    texts = prompt_domains.evaluation_texts()
+
+    def worst_overlap(text: str) -> float:
+        grams = char_grams(text)
+        hits = {}
+        for g in grams:
+            for i in index.get(g, ()):
+                hits[i] = hits.get(i, 0) + 1
+        return max(hits.values(), default=0) / len(grams)
+
+    overlaps = {eid: worst_overlap(text) for eid, text in texts.items()}
+    worst = max(overlaps, key=overlaps.get)
+    assert overlaps[worst] < 0.3, (worst, overlaps[worst])
+    # positive control: the same check flags an evaluation prompt pasted into a training prompt
+    some = texts[worst]
+    train_grams.append(char_grams("please help " + some))
+    for g in train_grams[-1]:
+        index.setdefault(g, set()).add(len(train_grams) - 1)
+    assert worst_overlap(some) > 0.9
