@@ -319,7 +319,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     def _draft(self, input_ids, model_kwargs, n_draft: int) -> Draft:
         """One drafter forward over the pending context features + [anchor, MASK * (B-1)]; the selector's path."""
-        hidden = self.draft_hidden(input_ids, model_kwargs.get("attention_mask") if model_kwargs else None)  # [1, B-1, H]
+        return self.draft_path(input_ids, model_kwargs.get("attention_mask") if model_kwargs else None, n_draft)
+
+    def draft_path(self, input_ids, attention_mask, n_draft: int) -> Draft:
+        """The block draft's first ``n_draft`` tokens (the selector's path) from the anchor ``input_ids[:, -1]``."""
+        hidden = self.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
         return propose(self.drafter, self.lm_head, hidden[:, :n_draft], input_ids[:, -1], self.temperature)
 
     def draft_hidden(self, input_ids, attention_mask=None) -> torch.Tensor:
@@ -381,6 +385,14 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             self.stats.rollback_seconds = self.rollback.seconds
         self.stats.new_tokens = input_ids.shape[1] - self._prompt_length
         self.stats.seconds = time.perf_counter() - self._start
+
+
+def needs_own_loop(generation_config, cache) -> bool:
+    """One path per step on a static cache: transformers' assisted loop refuses it; the tree loop verifies the
+    path as a one-branch tree."""
+    return generation_config.cache_implementation == "static" or any(
+        type(layer).__name__ == "StaticLayer" for layer in getattr(cache, "layers", [])
+    )
 
 
 def decide_tree_budget(target, drafter, generation_config, cache, input_ids) -> int:
@@ -451,12 +463,13 @@ def install_assisted_generation_hook() -> None:
                            streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None, tokenizer=None,
                            **model_kwargs):
         drafter = assistant_model
-        if (drafter is not None and is_dflash2_drafter(drafter) and getattr(drafter.config, "tree_budget", None)
-                and generation_config.speculation_type != "dflash"):
+        cache = model_kwargs.get("past_key_values")
+        if (drafter is not None and is_dflash2_drafter(drafter) and generation_config.speculation_type != "dflash"
+                and (getattr(drafter.config, "tree_budget", None) or needs_own_loop(generation_config, cache))):
             check_transformers_version()  # the assisted path checks it when building its candidate generator
             own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
-            budget = own.decide_tree_budget(self, drafter, generation_config, model_kwargs.get("past_key_values"), input_ids)
-            if budget:
+            budget = own.decide_tree_budget(self, drafter, generation_config, cache, input_ids)
+            if budget or own.needs_own_loop(generation_config, cache):
                 return own.tree_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
                                          streamer, make_generator=own.DFlash2CandidateGenerator, budget=budget, **model_kwargs)
         with device_of_offloaded_target(self) if drafter is not None and is_dflash2_drafter(drafter) else contextlib.nullcontext():

@@ -18,8 +18,10 @@ One step (batch size 1), after the prefill:
        nodes' hidden states are the drafter's next context features
 
 transformers' assisted loop verifies one path, so tree mode runs this loop in place of
-``_assisted_decoding`` (``install_tree_hook``), with the logits processors, stopping criteria,
-streamer, max_length and EOS handling that loop gets from ``generate``.
+``_assisted_decoding`` (``install_assisted_generation_hook``), with the logits processors, stopping
+criteria, streamer, max_length and EOS handling that loop gets from ``generate``. The same loop runs one
+path per step (``budget`` 0: the hybrid rule's proposal as a one-branch tree, ``path_proposal``) where
+the assisted loop cannot: on a static cache.
 """
 
 from __future__ import annotations
@@ -135,6 +137,27 @@ def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab
         table = torch.log_softmax(scores, dim=-1)
     host = torch.cat([candidates.to(table.dtype)[:, None, :], table], dim=1).cpu()  # [n, 1 + K, K]: one transfer
     return host[:, 0].long().tolist(), host[:, 1:].tolist()
+
+
+def path_proposal(gen, input_ids: torch.Tensor, attention_mask: torch.Tensor, limit: int):
+    """One path for this step, as the linear loop picks it: the n-gram continuation, the block draft (run only when
+    the rule says it is worth its forward) or nothing, cut to what pays (``ngram_dflash2.HybridRule``).
+    Returns (the rule's choice, its per-token rates, the tokens to verify)."""
+    match = None
+    if gen.ngram is not None:
+        gen.ngram.extend(input_ids[0, len(gen.ngram.ids):].tolist())  # only the newly committed tokens
+        match = gen.ngram.lookup(min(gen.ngram_tokens, limit))
+    n_draft = min(gen.draft_limit, limit)
+    confidences, drafted = None, []
+    if n_draft > 0 and (gen.ngram is None or gen.rule.run_drafter(match, n_draft)):
+        draft = gen.draft_path(input_ids, attention_mask, n_draft)
+        host = torch.cat([draft.tokens[0].float(), draft.confidence[0].float()]).tolist()  # one transfer
+        drafted, confidences = [int(t) for t in host[:n_draft]], host[n_draft:]
+    choice = gen.rule.choose(match, confidences)
+    if choice.proposer == "ngram":
+        return choice, gen.rule.ngram_rates(match), match.tokens[: choice.length]
+    rates = gen.rule.drafter_rates(confidences) if confidences is not None else []
+    return choice, rates, drafted[: choice.length]
 
 
 def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None) -> torch.Tensor:
@@ -311,7 +334,7 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
     gen = make_generator(target, drafter, generation_config, logits_processor)  # the drafter's context cache and stats
     if budget is None:
         budget = int(drafter.config.tree_budget or 0)
-    gen.stats.mode = f"tree-{budget}"
+    gen.stats.mode = f"tree-{budget}" if budget else "linear"
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set() if eos is None else set(eos.view(-1).tolist())
@@ -353,7 +376,12 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         past = input_ids.shape[1] - 1  # the cache holds every committed token but the anchor (on the host: no sync)
         anchor = int(input_ids[0, -1])
         tree = root_tree(anchor)
-        if room > 1:
+        choice = None
+        if room > 1 and budget == 0:  # one path: the hybrid rule's proposal (block draft, n-gram or none) as one branch
+            limit = room - 1 if slots is None else min(room - 1, slots - past - 1)
+            choice, rates, tokens = path_proposal(gen, input_ids, attention_mask, limit)
+            add_branch(tree, tokens)
+        elif room > 1:
             hidden = gen.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
             logits = drafter.draft_logits(lm_head, hidden)[0]  # [B-1, V']
             candidates, log_probs = lattice_log_probs(drafter, hidden[0], logits, vocab_ids, anchor)
@@ -402,7 +430,13 @@ def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteri
         # 5. commit: cache entries and drafter features of the kept nodes only
         keep_cache_entries(cache, past, keep)
         gen.pending_features.append(gen.node_features(out.hidden_states, keep))
-        gen.stats.record_step(len(tree) - 1, n_matches, "dflash2-tree", depth=max(tree.depths))
+        if budget:
+            gen.stats.record_step(len(tree) - 1, n_matches, "dflash2-tree", depth=max(tree.depths))
+        elif choice is None:  # one token of room left: a plain step
+            gen.stats.record_step(0, n_matches, "none")
+        else:
+            gen.stats.record_step(choice.length, n_matches, choice.proposer)
+            gen.rule.record(choice, rates, n_matches)
         if scores is not None:
             scores += tuple(node_logits(i)[None] for i in keep)
         if raw_logits is not None:

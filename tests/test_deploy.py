@@ -349,8 +349,6 @@ def test_sliding_window_and_static_cache_decided_before_any_forward(monkeypatch)
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=tree, max_new_tokens=8, cache_implementation="offloaded")
     assert not forwards
     handle.remove()
-    with pytest.raises(ValueError, match="Static cache"):  # the linear path: transformers' own clear refusal
-        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=tiny_drafter(target), max_new_tokens=8, cache_implementation="static")
 
 
 def test_tree_mode_on_a_static_cache_is_greedy_equal(accepting):
@@ -437,3 +435,44 @@ def test_demo_checks_exactness_in_fp32_and_says_where_bf16_parts():
     assert target.dtype == torch.bfloat16 and next(drafter.parameters()).dtype == torch.bfloat16  # restored
     assert first_difference(plain, plain, 3) is None and "identical in bf16" in exactness_line(target, drafter, inputs, plain, plain, "bfloat16", kw, {})
     assert exactness_line(target, drafter, inputs, plain, plain, "float32", kw, {}).endswith("yes")
+
+
+@pytest.mark.parametrize("costs", ["free", "cpu"])
+def test_one_path_per_step_on_a_static_cache_is_greedy_equal(accepting, costs):
+    """transformers' assisted loop refuses static caches; with a DFlash 2 drafter the tree loop runs the hybrid rule's
+    one-path proposals (block draft, n-gram, plain steps) as one-branch trees there."""
+    from conftest import CPU_FP32_COSTS
+
+    target, trained, prompts = accepting
+    saved = trained.config.hybrid_ngram
+    trained.config.hybrid_ngram = {**(saved or {}), "costs": FREE_COSTS if costs == "free" else CPU_FP32_COSTS}
+    try:
+        proposers, accepted = set(), 0
+        for p in prompts[:3]:
+            for new in (1, 6, 40):
+                ids = torch.tensor([p])
+                want = target.generate(ids, max_new_tokens=new, do_sample=False)
+                got, stats = root.generation().dflash2_generate(target, trained, ids, max_new_tokens=new, do_sample=False,
+                                                                cache_implementation="static")
+                assert torch.equal(got, want) and stats.mode == "linear"
+                proposers |= set(stats.proposers)
+                accepted += stats.accepted
+    finally:
+        trained.config.hybrid_ngram = saved
+    assert accepted > 20 and "dflash2-tree" not in proposers
+    assert ("dflash2" if costs == "free" else "none") in proposers  # drafts verified / plain one-token steps taken
+
+
+def test_one_path_on_a_static_cache_samples_exactly(setup):  # noqa: F811
+    target, drafter, prompt = setup
+    expected = exact_joint(target, prompt, _processors(0.7, 0.9, 1.3))
+    counts = {}
+    with root.generation().collect_stats() as runs:
+        for seed in range(SAMPLES):
+            torch.manual_seed(seed)
+            out = target.generate(prompt, assistant_model=drafter, do_sample=True, max_new_tokens=3, temperature=0.7, top_p=0.9,
+                                  top_k=0, repetition_penalty=1.3, pad_token_id=0, cache_implementation="static")
+            cell = tuple(out[0, prompt.shape[1]:].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+    assert sum(r.drafted for r in runs) > 0 and all(r.mode == "linear" for r in runs)
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3

@@ -1,0 +1,20 @@
+"""The prepared GPU check runs on a CPU with tiny shapes (the smoke test CI runs), and its forced drafts commit exactly
+the acceptance they are set to."""
+
+from __future__ import annotations
+
+import json
+
+from dflash2_tools import gpu_check
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path):
+    gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--accepts", "2", "4"])
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["checks"] and all(c["passed"] for c in result["checks"]), result["checks"]
+    assert {c["check"].split()[1] for c in result["checks"] if c["check"].startswith("greedy")} >= {"llama", "qwen3", "glm5_next"}
+    for row in result["step_costs"]:
+        for accept, spec in row["speculative"].items():
+            # every step commits exactly `accept` tokens, but the last (the length limit cuts it)
+            assert int(accept) - 0.5 <= spec["tokens_per_forward"] <= int(accept), (row["target"], accept, spec)
+    assert (tmp_path / "step_costs.png").stat().st_size > 0
