@@ -115,7 +115,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--costs", type=float, nargs=3, default=[0.65, 0.035, 0.25], metavar=("MULTI_TOKEN_STEP", "PER_TOKEN", "DRAFT"),
                     help="a step's costs in one-token forwards (default: fp32 on a 2-core AVX2 CPU, "
-                    "generation_dflash2.default_step_costs; a GPU: 0 0 0.1)")
+                    "costs_dflash2.table_step_costs; a GPU: 0 0 0.1)")
     ap.add_argument("--from-trace", default=None, help="refit from this saved --out file instead of generating")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
