@@ -13,22 +13,21 @@ One step (batch size 1), after the prefill:
        checking the node's children first: child c is x with probability p'(c) = p(c) / (mass
        left), else p'(c) <- 0 and the next child is checked; if none is x, x ~ p' (what is left).
        That IS a draw from p (exact for any candidate set); greedy takes x = argmax p. A child
-       equal to x continues the walk; otherwise x is the bonus token and the step ends
+       equal to x continues the walk; otherwise x is the bonus token and the step ends. A node whose
+       one child was SAMPLED from a known q (a chain drafted at temperature > 0) takes the classic
+       rule instead: accept w.p. min(1, p(c) / q(c)), else x ~ norm(max(p - q, 0)) -- also exact,
+       and it accepts more often when q is close to p
     5. commit: the cache keeps the K/V of the accepted path only, in order; the accepted
        nodes' hidden states are the drafter's next context features
 
-transformers' assisted loop verifies one path, so tree mode runs this loop in place of
-``_assisted_decoding`` (``install_assisted_generation_hook``), with the logits processors, stopping
-criteria, streamer, max_length and EOS handling that loop gets from ``generate``. The same loop runs one
-path per step (``budget`` 0: the hybrid rule's proposal as a one-branch tree, ``path_proposal``) where
-the assisted loop cannot: on a static cache.
+A chain (one path) is a tree with one child per node, so the decoding loop (``loop_dflash2.py``) runs
+every mode through these helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
-import time
 from dataclasses import dataclass
 
 import torch
@@ -139,34 +138,23 @@ def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab
     return host[:, 0].long().tolist(), host[:, 1:].tolist()
 
 
-def path_proposal(gen, input_ids: torch.Tensor, attention_mask: torch.Tensor, limit: int):
-    """One path for this step, as the linear loop picks it: the n-gram continuation, the block draft (run only when
-    the rule says it is worth its forward) or nothing, cut to what pays (``ngram_dflash2.HybridRule``).
-    Returns (the rule's choice, its per-token rates, the tokens to verify)."""
-    match = None
-    if gen.ngram is not None:
-        gen.ngram.extend(input_ids[0, len(gen.ngram.ids):].tolist())  # only the newly committed tokens
-        match = gen.ngram.lookup(min(gen.ngram_tokens, limit))
-    n_draft = min(gen.draft_limit, limit)
-    confidences, drafted = None, []
-    if n_draft > 0 and (gen.ngram is None or gen.rule.run_drafter(match, n_draft)):
-        draft = gen.draft_path(input_ids, attention_mask, n_draft)
-        host = torch.cat([draft.tokens[0].float(), draft.confidence[0].float()]).tolist()  # one transfer
-        drafted, confidences = [int(t) for t in host[:n_draft]], host[n_draft:]
-    choice = gen.rule.choose(match, confidences)
-    if choice.proposer == "ngram":
-        return choice, gen.rule.ngram_rates(match), match.tokens[: choice.length]
-    rates = gen.rule.drafter_rates(confidences) if confidences is not None else []
-    return choice, rates, drafted[: choice.length]
+def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None,
+                        n_rows: int | None = None) -> torch.Tensor:
+    """Additive 4D mask [1, 1, n_rows, key_length]: the committed context (its own padding mask) and ancestors.
 
-
-def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N, key_length]: the committed context (its own padding mask) and ancestors.
-
-    ``key_length`` (default past + N): a static cache attends over all its slots; those after the tree are masked."""
-    allowed = torch.cat([past_mask.bool()[None].expand(len(tree), -1), tree.ancestor_mask().to(past_mask.device)], dim=1)  # [N, past + N]
+    ``key_length`` (default past + n_rows): a static cache attends over all its slots; those after the tree are masked.
+    ``n_rows`` (default: the tree's nodes) pads the forward to a fixed size: a padding row sees only itself, and no
+    real node sees a padding row."""
+    n = len(tree)
+    rows = n if n_rows is None else n_rows
+    ancestors = torch.zeros(rows, rows, dtype=torch.bool)  # [rows, rows]
+    ancestors[:n, :n] = tree.ancestor_mask()
+    ancestors[n:, n:] = torch.eye(rows - n, dtype=torch.bool)  # padding rows: themselves only (no empty softmax rows)
+    context = past_mask.bool()[None].expand(rows, -1).clone()  # [rows, past]
+    context[n:] = False
+    allowed = torch.cat([context, ancestors.to(past_mask.device)], dim=1)  # [rows, past + rows]
     if key_length is not None and key_length > allowed.shape[1]:
-        allowed = torch.nn.functional.pad(allowed, (0, key_length - allowed.shape[1]))  # [N, key_length]: stale slots masked
+        allowed = torch.nn.functional.pad(allowed, (0, key_length - allowed.shape[1]))  # [rows, key_length]: stale slots masked
     mask = torch.zeros(allowed.shape, dtype=dtype, device=past_mask.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
@@ -200,35 +188,52 @@ def keep_cache_entries(cache, past: int, keep: list[int]) -> None:
             layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
-def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None) -> tuple[list[int], int]:
+def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None, proposal=None) -> tuple[list[int], int]:
     """Accepted path (node ids from the root) and the bonus token.
 
     node_logits(i) -> [V] processed logits of node i (computed only for nodes the walk visits).
+    proposal(i) -> [V] log q the ONE child of node i was sampled from, or None (deterministic children).
     """
     path, node = [0], 0
     while True:
         logits = node_logits(node)
+        children = tree.children[node]
         if not do_sample:
             x = int(logits.argmax())
         else:
-            x = None
             probs = torch.softmax(logits.float(), dim=-1)
-            for child in tree.children[node]:  # x ~ p, checking the children's tokens first
-                token = tree.tokens[child]
-                mass = probs.sum()
-                if mass <= 0:
-                    break
-                if torch.rand((), generator=generator, device=probs.device) * mass < probs[token]:
-                    x = token
-                    break
-                probs[token] = 0.0
-            if x is None:
-                x = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+            log_q = proposal(node) if proposal is not None and len(children) == 1 else None
+            x = _draw_against_q(probs, tree.tokens[children[0]], log_q, generator) if log_q is not None else \
+                _draw_checking_children(probs, [tree.tokens[c] for c in children], generator)
         child = tree.child_with(node, x)
         if child is None:
             return path, x
         path.append(child)
         node = child
+
+
+def _draw_checking_children(probs: torch.Tensor, tokens: list[int], generator=None) -> int:
+    """x ~ probs, deciding the candidate tokens first (each one's chance given the ones before were not drawn)."""
+    probs = probs.clone()
+    for token in tokens:
+        mass = probs.sum()
+        if mass <= 0:
+            break
+        if torch.rand((), generator=generator, device=probs.device) * mass < probs[token]:
+            return token
+        probs[token] = 0.0
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def _draw_against_q(probs: torch.Tensor, token: int, log_q: torch.Tensor, generator=None) -> int:
+    """Speculative sampling of one token drawn from q: keep it w.p. min(1, p/q), else x ~ norm(max(p - q, 0))."""
+    q = torch.softmax(log_q.float(), dim=-1).to(probs.device)  # [V]
+    if torch.rand((), generator=generator, device=probs.device) * q[token] < probs[token]:
+        return token
+    residual = (probs - q).clamp_min(0)  # [V]
+    if residual.sum() <= 0:  # p == q: rejection had probability 0
+        return token
+    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
 # Tokens committed per step by a tree of N nodes over those of one path of the same drafter (greedy, the shipped
@@ -317,133 +322,3 @@ def tree_mask_attention(target):
         yield
     finally:
         config._attn_implementation_internal = current
-
-
-@torch.no_grad()
-def tree_decoding(target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                  make_generator=None, budget=None, **model_kwargs):
-    """The tree loop in place of transformers' ``_assisted_decoding``; same inputs, same outputs."""
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-    cache = model_kwargs.get("past_key_values")
-    refuse_unsupported(target, generation_config, cache)
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"tree verification runs batch size 1, got {input_ids.shape[0]}: generate prompt by prompt")
-    if cache is None:
-        raise RuntimeError("tree verification needs the target's dynamic cache (use_cache=True)")
-    gen = make_generator(target, drafter, generation_config, logits_processor)  # the drafter's context cache and stats
-    if budget is None:
-        budget = int(drafter.config.tree_budget or 0)
-    gen.stats.mode = f"tree-{budget}" if budget else "linear"
-    do_sample = bool(generation_config.do_sample)
-    eos = getattr(generation_config, "_eos_token_tensor", None)
-    eos = set() if eos is None else set(eos.view(-1).tolist())
-    return_dict = generation_config.return_dict_in_generate
-    scores = () if return_dict and generation_config.output_scores else None
-    raw_logits = () if return_dict and generation_config.output_logits else None
-    layers = [i + 1 for i in drafter.config.target_layer_ids]
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    lm_head = gen.lm_head
-    vocab_ids = getattr(lm_head, "vocab_ids", None)
-    vocab_ids = None if vocab_ids is None else vocab_ids.to(gen.device)
-
-    # prefill: the prompt's features, the first token
-    out = target(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
-                 output_hidden_states=layers, logits_to_keep=1)
-    gen.pending_features.append(gen.prompt_features(out.hidden_states, input_ids.shape[1]))
-    slots = static_cache_length(cache)  # None: a dynamic cache
-    raw = out.logits[:, -1].float()
-    first = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw.clone()
-    token = int(torch.multinomial(torch.softmax(first, -1), 1)) if do_sample else int(first.argmax())
-    new = [token]
-    if scores is not None:
-        scores += (first,)
-    if raw_logits is not None:
-        raw_logits += (raw,)
-    while True:
-        input_ids = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((1, len(new)))], dim=1)
-        if streamer is not None:
-            streamer.put(torch.tensor(new))
-        gen.stats.new_tokens = input_ids.shape[1] - gen.prompt_length
-        if stopping_criteria(input_ids, scores).any():
-            break
-        room = generation_config.max_length - input_ids.shape[1]  # tokens this step may still add
-        # 1-2. draft a block from the anchor, grow the tree
-        t0 = time.perf_counter()
-        past = input_ids.shape[1] - 1  # the cache holds every committed token but the anchor (on the host: no sync)
-        anchor = int(input_ids[0, -1])
-        tree = root_tree(anchor)
-        choice = None
-        if room > 1 and budget == 0:  # one path: the hybrid rule's proposal (block draft, n-gram or none) as one branch
-            limit = room - 1 if slots is None else min(room - 1, slots - past - 1)
-            choice, rates, tokens = path_proposal(gen, input_ids, attention_mask, limit)
-            add_branch(tree, tokens)
-        elif room > 1:
-            hidden = gen.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
-            logits = drafter.draft_logits(lm_head, hidden)[0]  # [B-1, V']
-            candidates, log_probs = lattice_log_probs(drafter, hidden[0], logits, vocab_ids, anchor)
-            branch = min(gen.ngram_tokens, room - 1) if gen.ngram is not None else 0
-            nodes = budget if slots is None else max(0, min(budget, slots - past - 1 - branch))  # a static cache's slots bound the tree
-            tree = build_tree(anchor, candidates, log_probs, nodes, room - 1)
-            if gen.ngram is not None:
-                gen.ngram.extend(input_ids[0, len(gen.ngram.ids):].tolist())
-                match = gen.ngram.lookup(branch)
-                if match is not None:
-                    add_branch(tree, match.tokens)
-        gen.stats.draft_seconds += time.perf_counter() - t0
-        # 3. verify every node in one forward
-        depths = torch.tensor(tree.depths, device=input_ids.device)
-        with tree_mask_attention(target):
-            out = target(input_ids=torch.tensor([tree.tokens], device=input_ids.device),
-                         position_ids=(past + depths)[None],
-                         attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype, slots),
-                         past_key_values=cache, use_cache=True, output_hidden_states=layers)
-        node_raw = out.logits[0].float()  # [N, V]
-        processed = {}
-
-        def node_logits(i: int) -> torch.Tensor:  # processors see the node's own prefix
-            if i not in processed:
-                if len(logits_processor):
-                    path = []
-                    j = i
-                    while j > 0:
-                        path.append(tree.tokens[j])
-                        j = tree.parents[j]
-                    prefix = torch.cat([input_ids, torch.tensor([path[::-1]], dtype=input_ids.dtype, device=input_ids.device)], 1)
-                    processed[i] = logits_processor(prefix, node_raw[i : i + 1].clone())[0]
-                else:
-                    processed[i] = node_raw[i]
-            return processed[i]
-
-        # 4. accept
-        path, bonus = walk(tree, node_logits, do_sample)
-        new = [tree.tokens[i] for i in path[1:]] + [bonus]
-        new = new[: max(room, 1)]
-        cut = next((k for k, t in enumerate(new) if t in eos), None)
-        if cut is not None:
-            new = new[: cut + 1]
-        n_matches = len(new) - 1
-        keep = path[: n_matches + 1]  # the root and the accepted nodes whose successors are committed
-        # 5. commit: cache entries and drafter features of the kept nodes only
-        keep_cache_entries(cache, past, keep)
-        gen.pending_features.append(gen.node_features(out.hidden_states, keep))
-        if budget:
-            gen.stats.record_step(len(tree) - 1, n_matches, "dflash2-tree", depth=max(tree.depths))
-        elif choice is None:  # one token of room left: a plain step
-            gen.stats.record_step(0, n_matches, "none")
-        else:
-            gen.stats.record_step(choice.length, n_matches, choice.proposer)
-            gen.rule.record(choice, rates, n_matches)
-        if scores is not None:
-            scores += tuple(node_logits(i)[None] for i in keep)
-        if raw_logits is not None:
-            raw_logits += tuple(node_raw[i][None] for i in keep)
-    if streamer is not None:
-        streamer.end()
-    gen.stats.seconds = time.perf_counter() - gen.start_time
-    if return_dict:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache)
-    return input_ids

@@ -24,6 +24,9 @@ own ``generate``:
 * ``dflash2-tree``: tree verification (``tree_dflash2.py``): a best-first tree of ``--tree-budget``
   nodes through the top-K lattice in one target forward; ``dflash2-tree+ngram`` adds the n-gram
   continuation as one more branch
+* ``target-static-compiled`` / ``dflash2+ngram-static-compiled``: like with like, the target alone and the plain
+  call both on a static cache of one length for the whole run, both through ``torch.compile`` (inductor; on a CPU
+  via ``compile_config._compile_all_devices``); the compile time is the warm-up call's, reported apart
 * ``llama.cpp``, ``llama.cpp+dflash2``, ``llama.cpp+ngram`` (greedy only; llama.cpp built by
   ``python -m dflash2_tools.llamacpp build``): the target's Q4_1 GGUF in llama.cpp, alone
   (``llama-bench`` decoding 128 tokens at the prompt's depth), with this drafter converted by
@@ -54,7 +57,18 @@ from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
 METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash2+ngram-measured", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
-           "llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
+           "target-static-compiled", "dflash2+ngram-static-compiled", "llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
+STATIC_COMPILED = "-static-compiled"
+
+
+def static_compiled_kwargs(cache_length: int) -> dict:
+    """generate() kwargs for a static cache of one fixed length (one set of shapes for the whole run) compiled with
+    inductor on any device (transformers compiles by itself on accelerators only; "reduce-overhead" = CUDA graphs)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default" if not torch.cuda.is_available() else "reduce-overhead")
+    config._compile_all_devices = True
+    return dict(cache_implementation="static", compile_config=config, max_cache_len=cache_length)
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 
 
@@ -136,9 +150,12 @@ def llamacpp_setup(drafter_dir: str, block_size: int):
     return SimpleNamespace(bin_dir=llamacpp.build(), gguf=llamacpp.convert(drafter_dir), block=block_size, threads=torch.get_num_threads())
 
 
-def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int = 16):
+def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int = 16, cache_length: int = 0):
     gen = root.generation_of(drafter)
     kw = dict(gen_kw)
+    if method.endswith(STATIC_COMPILED):  # like with like: the target alone and the plain call, both static + compiled
+        kw.update(static_compiled_kwargs(cache_length))
+        method = method.removesuffix(STATIC_COMPILED)
     stats = None
     counter.reset()
     t0 = time.perf_counter()
@@ -192,7 +209,7 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
 
 
 def benchmark(args):
-    results = []
+    results, warmups = [], {}
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         target, tokenizer = load_target(args.target, dtype=dtype)
@@ -202,9 +219,13 @@ def benchmark(args):
         llama = llamacpp_setup(args.drafter, drafter.config.block_size) if set(methods) & set(LLAMACPP_METHODS) else None
         sets = {name: load_prompt_set(name)[: args.limit] for name in args.prompt_sets}
         warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        for method in methods:  # warm-up every path once (llama.cpp runs in its own process)
+        longest = max(len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for v in sets.values() for r in v)
+        cache_length = -(-(longest + args.max_new_tokens + 64) // 128) * 128  # one static shape for every prompt of the run
+        for method in methods:  # warm-up every path once (llama.cpp runs in its own process); compiles the compiled ones
             if method not in LLAMACPP_METHODS:
-                run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget)
+                t0 = time.perf_counter()
+                run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget, cache_length)
+                warmups[(dtype_name, method)] = time.perf_counter() - t0
         total = sum(len(v) for v in sets.values()) * len(args.temperatures)
         bar = tqdm(total=total, desc=f"benchmark {dtype_name}", unit="prompt")
         for set_name, records in sets.items():
@@ -220,7 +241,8 @@ def benchmark(args):
                         if method in LLAMACPP_METHODS:
                             out, row = None, run_llamacpp_method(method, llama, text, inputs["input_ids"].shape[1], gen_kw)
                         else:
-                            out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget)
+                            out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget, cache_length)
+                            row["warmup_seconds"] = warmups[(dtype_name, method)]  # the compile time of the compiled methods
                         if method == "target":
                             reference = out
                         row.update(dtype=dtype_name, prompt_set=set_name, prompt_id=rec["id"], method=method, temperature=temperature,
@@ -264,6 +286,7 @@ def summarize(results):
             "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
             "per_proposer": {k: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)} for k, c in proposers.items()},
             "modes": sorted({r["mode"] for r in rs if r.get("mode")}),  # linear / tree-N: what tree_budget="auto" chose
+            "warmup_seconds": rs[0].get("warmup_seconds"),  # first call (16 tokens): includes compilation where compiled
             **{k: statistics.median(r[k] for r in rs) for k in ("step_ms", "step_target_forward_ms", "step_draft_ms", "step_overhead_ms")},
         })
     return rows
@@ -291,10 +314,11 @@ def llamacpp_table(rows) -> str:
 
 def profile_table(rows) -> str:
     """Where one decoding step's time goes (medians over prompts): the target's forward, drafting, the rest."""
-    head = "| dtype | T | prompt set | method | step ms | target forward ms | draft ms | other ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    head = ("| dtype | T | prompt set | method | step ms | target forward ms | draft ms | other ms | warm-up s (compile) |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     return head + "".join(
         f"| {r['dtype']} | {r['temperature']:g} | {r['prompt_set']} | {r['method']} | {r['step_ms']:.1f} | "
-        f"{r['step_target_forward_ms']:.1f} | {r['step_draft_ms']:.1f} | {r['step_overhead_ms']:.1f} |\n"
+        f"{r['step_target_forward_ms']:.1f} | {r['step_draft_ms']:.1f} | {r['step_overhead_ms']:.1f} | {r.get('warmup_seconds') or 0:.1f} |\n"
         for r in rows
     )
 

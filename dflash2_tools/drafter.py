@@ -13,8 +13,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "costs_dflash2.py", "devices_dflash2.py",
-                     "ngram_dflash2.py", "rollback_dflash2.py", "stats_dflash2.py", "tree_dflash2.py")
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "checks_dflash2.py", "costs_dflash2.py",
+                     "devices_dflash2.py", "loop_dflash2.py", "ngram_dflash2.py", "proposer_dflash2.py", "rollback_dflash2.py",
+                     "stats_dflash2.py", "tree_dflash2.py")
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,6 +54,11 @@ def generation_of(drafter):
     statistics in its own module; reading the root module's would silently give empty stats.
     """
     return _package_module(type(drafter).__module__, "generation_dflash2")
+
+
+def proposer_of(drafter):
+    """The ``proposer_dflash2`` module (block drafts, paths, trees) of the drafter's own package."""
+    return _package_module(type(drafter).__module__, "proposer_dflash2")
 
 
 def costs_of(drafter):

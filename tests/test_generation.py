@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+import transformers
 from conftest import VOCAB, root, tiny_drafter, tiny_target
 from transformers.generation.streamers import BaseStreamer
 
@@ -189,7 +190,7 @@ def test_builtin_dflash_path_still_works(accepting):
 
 
 def test_version_guard(monkeypatch, gen_module):
-    monkeypatch.setattr(gen_module.transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
     with pytest.raises(RuntimeError, match="tested with transformers"):
         gen_module.check_transformers_version()
 
@@ -272,7 +273,7 @@ def _draft_with_missing_tokens(target, drafter, prompts, monkeypatch):
     vocab = [t for t in range(VOCAB) if t not in emitted[::2]]  # every other emitted token is missing
     monkeypatch.setattr(drafter.config, "draft_vocab_ids", vocab)
     drafted_tokens = []
-    gen = root.generation_of(drafter)
+    gen = root.proposer_of(drafter)  # the module whose DFlash2Proposer calls propose
     original = gen.propose
 
     def spy(*args, **kwargs):
@@ -295,15 +296,15 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mon
     target, drafter, prompts = accepting
     cfg = drafter.config
     steps = []  # (anchor position, drafted tokens)
-    original = gen_module.DFlash2CandidateGenerator.get_candidates
+    original = gen_module.DFlash2Proposer.propose_path
 
     def spy(self, input_ids, *args, **kwargs):
-        out, logits = original(self, input_ids, *args, **kwargs)
-        if out.shape[1] > input_ids.shape[1]:
-            steps.append((input_ids.shape[1] - 1, out[0, input_ids.shape[1] :].tolist()))
-        return out, logits
+        proposal = original(self, input_ids, *args, **kwargs)
+        if proposal.tokens:
+            steps.append((input_ids.shape[1] - 1, list(proposal.tokens)))
+        return proposal
 
-    monkeypatch.setattr(gen_module.DFlash2CandidateGenerator, "get_candidates", spy)
+    monkeypatch.setattr(gen_module.DFlash2Proposer, "propose_path", spy)
     ids = torch.tensor([prompts[2][:9]])  # a prefix the drafter did not see whole in training
     out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=35, eos_token_id=None, pad_token_id=0,
                           prompt_lookup_num_tokens=0)  # the block draft alone (no n-gram proposals)

@@ -17,4 +17,5 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
         for accept, spec in row["speculative"].items():
             # every step commits exactly `accept` tokens, but the last (the length limit cuts it)
             assert int(accept) - 0.5 <= spec["tokens_per_forward"] <= int(accept), (row["target"], accept, spec)
+            assert spec["same_as_target"] and spec["static_same_as_target"], (row["target"], accept, spec)  # fp32 on the CPU
     assert (tmp_path / "step_costs.png").stat().st_size > 0

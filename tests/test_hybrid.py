@@ -206,7 +206,7 @@ def test_prompt_lookup_knobs_set_the_hybrid(gen_module, forced):
     drafter = forced(tiny_drafter(target))
     ids = looping_prompt(target)
     _, off = _generate(gen_module, target, drafter, ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=0)
-    assert set(off.proposers) == {"dflash2"}
+    assert "dflash2" in off.proposers and set(off.proposers) <= {"dflash2", "none"}  # "none": the last step, one token of room
     _, on = _generate(gen_module, target, drafter, ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
     assert "ngram" in on.proposers and on.per_proposer["ngram"]["drafted"] <= 3 * on.proposers.count("ngram")
     for bad in ({"prompt_lookup_num_tokens": -1}, {"max_matching_ngram_size": 0}):
@@ -232,18 +232,18 @@ def test_drafts_after_skipped_drafter_steps_equal_training_time_drafts(accepting
 
     target, drafter, prompts = accepting  # the default rule: certain on 4-token matches only
     ids = torch.tensor([prompts[2][:9]])  # new text first (the drafter drafts), then the target loops (skips)
-    drafts, original = [], gen_module.DFlash2CandidateGenerator._draft
+    drafts, original = [], gen_module.DFlash2Proposer.draft_path
 
     def spy(self, input_ids, *args):
         draft = original(self, input_ids, *args)
         drafts.append((input_ids.shape[1] - 1, draft.tokens[0].tolist()))
         return draft
 
-    gen_module.DFlash2CandidateGenerator._draft = spy
+    gen_module.DFlash2Proposer.draft_path = spy
     try:
         out, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=60, eos_token_id=None)
     finally:
-        gen_module.DFlash2CandidateGenerator._draft = original
+        gen_module.DFlash2Proposer.draft_path = original
     skipped = len(stats.proposers) - len(drafts)
     assert skipped > 0 and len(drafts) > 1, (skipped, len(drafts))
     cfg = drafter.config

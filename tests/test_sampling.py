@@ -14,7 +14,6 @@ import pytest
 import torch
 from conftest import FREE_COSTS, root, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
-from transformers.generation import utils as gen_utils
 
 V = 5
 N_NEW = 3
@@ -122,16 +121,13 @@ def test_speculative_sampling_matches_target_distribution(setup, monkeypatch, te
 def test_a_verifier_that_ignores_q_fails(setup, monkeypatch):
     """Evidence that the test above has power: drop q from the verifier and the same test rejects."""
     target, drafter, prompt = setup
-    def ignores_q(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kw):
-        # accept a draft with probability p(draft), resample from p: the proposal q is never used
-        drafted = candidate_input_ids[:, -candidate_length:]
-        p = new_logits.softmax(-1)
-        p_i = p[0, torch.arange(candidate_length), drafted[0]]
-        n = int(((~(torch.rand_like(p_i) <= p_i)).cumsum(-1) < 1).sum())
-        bonus = torch.multinomial(p[0, n], 1)[None]
-        return torch.cat([drafted[:, :n], bonus], dim=1), n
+    def ignores_q(probs, token, log_q, generator=None):
+        # accept a draft with probability p(draft), else resample from p: the proposal q is never used
+        if torch.rand((), generator=generator) < probs[token]:
+            return token
+        return int(torch.multinomial(probs, 1, generator=generator))
 
-    monkeypatch.setattr(gen_utils, "_speculative_sampling", ignores_q)
+    monkeypatch.setattr(root.tree(), "_draw_against_q", ignores_q)  # the loop's rule for a token sampled from q
     gen_kw = dict(temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
     expected = exact_joint(target, prompt, _processors(1.0, 1.0, 1.0))
     counts = _sample_counts(target, drafter, prompt, gen_kw, SAMPLES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import FREE_COSTS, VOCAB, root, tiny_drafter, tiny_target
 from test_sampling import N_NEW, SAMPLES, _processors, chi_square_p_value, exact_joint
 from test_sampling import setup  # noqa: F401  (fixture: the sampling tests' flat target and far proposal)
@@ -224,7 +225,7 @@ def test_auto_budget_follows_the_costs(tree_module):
 def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
     target, drafter, prompts = trained_pair
     monkeypatch.setattr(drafter.config, "tree_budget", 4)
-    monkeypatch.setattr(root.generation_of(drafter).transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
     with pytest.raises(RuntimeError, match="tested with transformers"):
         target.generate(torch.tensor([prompts[0]]), assistant_model=drafter, do_sample=False, max_new_tokens=4, pad_token_id=0)
 
@@ -253,12 +254,13 @@ def host_transfers_per_forward(target, drafter, ids, max_new_tokens, monkeypatch
 
 def test_tree_step_host_transfers_do_not_grow_with_the_budget(monkeypatch):
     """One transfer for the whole lattice: the count per target forward is a small constant at 8 and 64 nodes
-    (it was ~130 and ~850 when the tree was grown with a transfer per expanded node)."""
+    (it was ~130 and ~850 when the tree was grown with a transfer per expanded node), and one path per step
+    (the same loop) stays under the same bound."""
     target = tiny_target("llama")
     ids = torch.tensor([[3, 5, 7, 9]])
     per_forward = {}
-    for budget in (8, 64):
+    for budget in (None, 8, 64):
         drafter = tiny_drafter(target, block_size=9, tree_budget=budget)
         per_forward[budget] = host_transfers_per_forward(target, drafter, ids, 40, monkeypatch)
-    assert per_forward[8] <= 24 and per_forward[64] <= 24, per_forward
+    assert all(count <= 24 for count in per_forward.values()), per_forward
     assert abs(per_forward[64] - per_forward[8]) <= 3, per_forward
