@@ -16,7 +16,8 @@ Two ways to verify, picked once per call:
 * an explicit 4D mask (``tree_dflash2.tree_attention_mask``, SDPA): trees, static caches and compiled calls;
   the accepted nodes' K/V move into place (``keep_cache_entries``). With ``torch.compile`` (transformers'
   rule: a static cache on an accelerator, or ``compile_config`` with ``_compile_all_devices``) every
-  verification forward is padded to one size, so one graph serves the whole call.
+  verification forward is padded to the next power of two (masked rows), so a handful of graphs (1, 2, 4, ...
+  rows) serves the whole call, and a plain step does not pay for a full block (a CPU is compute-bound).
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ def refuse_unsupported_call(target, input_ids, generation_config, cache, budget:
         refuse_unsupported(target, generation_config, cache)
 
 
+def padded_rows(nodes: int, largest: int) -> int:
+    """Rows of a compiled verification forward over ``nodes`` nodes: the next power of two, at most ``largest``."""
+    return min(1 << (nodes - 1).bit_length(), largest)
+
+
 def fixed_verification_size(proposer: DFlash2Proposer, budget: int) -> int:
-    """Rows of every padded verification forward of this call: the root and the largest proposal."""
+    """Rows of the largest verification forward of this call: the root and the largest proposal."""
     branch = proposer.ngram_tokens if proposer.ngram is not None else 0
     if budget:
         return 1 + budget + branch
@@ -154,13 +160,14 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         if rollback is not None and len(tree) > 1:
             rollback.begin_step(cache)
         depths = torch.tensor(tree.depths, device=device)
-        padded = compiled and past + rows <= slots  # one compiled graph: every forward of this size
+        n_rows = padded_rows(len(tree), rows) if compiled else len(tree)
+        padded = compiled and past + n_rows <= slots  # a compiled graph per row count; else an eager forward
         if own_masks:
             out = target(input_ids=torch.tensor([tree.tokens], device=device), position_ids=(past + depths)[None],
                          attention_mask=torch.cat([attention_mask, attention_mask.new_ones((1, len(tree) - 1))], dim=1),
                          past_key_values=cache, use_cache=True, output_hidden_states=layers)
         else:
-            n_rows = rows if padded else len(tree)
+            n_rows = n_rows if padded else len(tree)
             tokens = tree.tokens + [anchor] * (n_rows - len(tree))  # padding rows: masked out, overwritten or dropped
             positions = past + torch.nn.functional.pad(depths, (0, n_rows - len(tree)))  # [n_rows]
             with tree_mask_attention(target):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -101,8 +102,8 @@ def main(argv=None):
             add_expected_speedup(result["trees"], json.loads(open(args.cost).read()), drafter.config.block_size)
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 def add_expected_speedup(trees, cost, block_size: int, draft_cost: float = 0.25):

@@ -8,9 +8,7 @@ random ``--nodes``-node tree under the tree mask (as tree verification does), ke
 ``keep_cache_entries`` (tail-only: moves the kept nodes' K/V into place and slices the rest off) or with the
 former whole-cache ``index_select`` of every layer, then crops back to the context. Medians after a warm-up.
 What remains context-dependent is the forward itself: attention over the context, and transformers'
-``DynamicLayer.update``, which concatenates the new K/V onto the whole cache every forward. The ``static`` row runs
-the same step on a ``StaticCache`` (``cache_implementation="static"``; slots = context + nodes): the new K/V are
-written in place, so only attention grows with the context.
+``DynamicLayer.update``, which concatenates the new K/V onto the whole cache every forward.
 """
 
 from __future__ import annotations
@@ -37,29 +35,24 @@ def whole_cache_compaction(cache, past: int, keep: list[int]) -> None:
 
 
 @torch.no_grad()
-def time_step(target, tree_module, context: int, nodes: int, compaction, repeats: int, static: bool = False) -> dict:
-    from transformers.cache_utils import DynamicCache, StaticCache
+def time_step(target, tree_module, context: int, nodes: int, compaction, repeats: int) -> dict:
+    from transformers.cache_utils import DynamicCache
 
     g = torch.Generator().manual_seed(0)
-    cache = StaticCache(config=target.config, max_cache_len=context + nodes) if static else DynamicCache()
+    cache = DynamicCache()
     target(input_ids=torch.randint(2, 1000, (1, context), generator=g), past_key_values=cache, use_cache=True, logits_to_keep=1)
     tree = random_tree(tree_module, nodes, 1000, g)
     keep = [0, 1, 2]
     forward_s, compact_s = [], []
-    slots = context + nodes if static else None
     for _ in range(repeats + 1):
-        mask = tree_module.tree_attention_mask(tree, torch.ones(context, dtype=torch.long), target.dtype, slots)
+        mask = tree_module.tree_attention_mask(tree, torch.ones(context, dtype=torch.long), target.dtype)
         t0 = time.perf_counter()
         target(input_ids=torch.tensor([tree.tokens]), position_ids=(context + torch.tensor(tree.depths))[None],
                attention_mask=mask, past_key_values=cache, use_cache=True)
         t1 = time.perf_counter()
         compaction(cache, context, keep)
         t2 = time.perf_counter()
-        if static:
-            for layer in cache.layers:
-                layer.cumulative_length.fill_(context)
-        else:
-            cache.crop(-len(keep))
+        cache.crop(-len(keep))
         forward_s.append(t1 - t0)
         compact_s.append(t2 - t1)
     return {"forward_ms": 1e3 * statistics.median(forward_s[1:]), "compaction_ms": 1e3 * statistics.median(compact_s[1:])}
@@ -77,10 +70,8 @@ def main(argv=None):
     target, _ = load_target(dtype=torch.float32)
     tree_module = root.tree()
     result = {"nodes": args.nodes, "contexts": args.contexts, "rows": {}}
-    for name, compaction, static in (("tail-only", tree_module.keep_cache_entries, False),
-                                     ("whole-cache", whole_cache_compaction, False),
-                                     ("static", tree_module.keep_cache_entries, True)):
-        rows = {c: time_step(target, tree_module, c, args.nodes, compaction, args.repeats, static) for c in args.contexts}
+    for name, compaction in (("tail-only", tree_module.keep_cache_entries), ("whole-cache", whole_cache_compaction)):
+        rows = {c: time_step(target, tree_module, c, args.nodes, compaction, args.repeats) for c in args.contexts}
         small, large = (rows[c] for c in args.contexts)
         ratio = (large["forward_ms"] + large["compaction_ms"]) / (small["forward_ms"] + small["compaction_ms"])
         result["rows"][name] = {"by_context": rows, "step_ratio": ratio}

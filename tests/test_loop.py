@@ -22,7 +22,7 @@ def graphs_compiled() -> int:
 @pytest.mark.parametrize("budget", [None, 6])
 def test_compiled_static_cache_equals_eager_and_compiles_once_per_call_shape(accepting, gen_module, budget, monkeypatch):
     """Static cache + inductor through the public call: greedy output equal to the target's own eager greedy output over
-    128 tokens; every verification forward padded to one size, so the compiled graphs do not grow with the steps, and
+    128 tokens; verification forwards padded to a few row buckets, so the compiled graphs do not grow with the steps, and
     the same call again compiles nothing."""
     target, drafter, prompts = accepting
     monkeypatch.setattr(drafter.config, "tree_budget", budget)
@@ -36,7 +36,7 @@ def test_compiled_static_cache_equals_eager_and_compiles_once_per_call_shape(acc
     first_call = graphs_compiled() - before
     assert torch.equal(out, expected)
     assert stats.mean_acceptance_length > 1.5, stats.as_dict()  # real multi-token steps went through the graph
-    assert 1 <= first_call <= 3, first_call  # one verification graph (a graph break may split it), not one per step
+    assert 1 <= first_call <= 6, first_call  # a graph per row bucket (1, 2, 4, 8 rows; or one dynamic graph), not per step
     again, _ = gen_module.dflash2_generate(target, drafter, ids, cache_implementation="static",
                                            compile_config=compile_on_any_device(), **kw)
     assert torch.equal(again, expected)
