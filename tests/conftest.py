@@ -78,3 +78,19 @@ def accepting(llama_target):
     """(target, drafter, training prompts) where the drafter accepts many tokens."""
     drafter, prompts = overfit_drafter(llama_target)
     return llama_target, drafter, prompts
+
+
+def pretend_transformers_version(monkeypatch, version: str) -> None:
+    """Make every loaded copy of the version guard see transformers ``version``. The guard reads the ``transformers``
+    module its package imported, which is not always the object a test module imported (another test may have
+    re-imported transformers), so patch each one."""
+    import sys
+
+    import transformers
+
+    modules = {id(transformers): transformers, id(sys.modules["transformers"]): sys.modules["transformers"]}
+    for name, module in list(sys.modules.items()):
+        if name.endswith(".checks_dflash2") and hasattr(module, "transformers"):
+            modules[id(module.transformers)] = module.transformers
+    for module in modules.values():
+        monkeypatch.setattr(module, "__version__", version)

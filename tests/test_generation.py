@@ -6,8 +6,7 @@ import gc
 
 import pytest
 import torch
-import transformers
-from conftest import VOCAB, root, tiny_drafter, tiny_target
+from conftest import VOCAB, pretend_transformers_version, root, tiny_drafter, tiny_target
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -190,7 +189,7 @@ def test_builtin_dflash_path_still_works(accepting):
 
 
 def test_version_guard(monkeypatch, gen_module):
-    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    pretend_transformers_version(monkeypatch, "5.99.0")
     with pytest.raises(RuntimeError, match="tested with transformers"):
         gen_module.check_transformers_version()
 

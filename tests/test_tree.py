@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from conftest import FREE_COSTS, VOCAB, root, tiny_drafter, tiny_target
+from conftest import FREE_COSTS, VOCAB, pretend_transformers_version, root, tiny_drafter, tiny_target
 from test_sampling import N_NEW, SAMPLES, _processors, chi_square_p_value, exact_joint
 from test_sampling import setup  # noqa: F401  (fixture: the sampling tests' flat target and far proposal)
 from transformers import TextStreamer
@@ -225,7 +224,7 @@ def test_auto_budget_follows_the_costs(tree_module):
 def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
     target, drafter, prompts = trained_pair
     monkeypatch.setattr(drafter.config, "tree_budget", 4)
-    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    pretend_transformers_version(monkeypatch, "5.99.0")
     with pytest.raises(RuntimeError, match="tested with transformers"):
         target.generate(torch.tensor([prompts[0]]), assistant_model=drafter, do_sample=False, max_new_tokens=4, pad_token_id=0)
 
