@@ -69,6 +69,8 @@ def static_compiled_kwargs(cache_length: int) -> dict:
     config = CompileConfig(mode="default" if not torch.cuda.is_available() else "reduce-overhead")
     config._compile_all_devices = True
     return dict(cache_implementation="static", compile_config=config, max_cache_len=cache_length)
+
+
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 
 
