@@ -6,7 +6,8 @@ transformers 5.23 gives a remote-code assistant no hook of its own, so importing
 * ``_validate_generation_mode``: only greedy decoding and sampling, clear errors otherwise; the pairing is
   checked; stateful targets (linear attention) pass, since ``rollback_dflash2`` rolls their state back exactly
 * ``_assisted_decoding``: the call runs ``loop_dflash2.speculative_decoding`` (one loop for one path per step,
-  trees, n-gram continuations, dynamic and static caches, compiled or not) instead of transformers' loop
+  trees, n-gram continuations, dynamic and static caches, compiled or not) instead of transformers' loop; a
+  batch of prompts runs ``batch_dflash2.batched_speculative_decoding`` (each row accepts its own tokens)
 * ``_get_candidate_generator``: never reached for a DFlash 2 drafter (the loop drafts itself)
 
 Every other call goes to transformers unchanged (transformers' own DFlash-1 path, ``speculation_type="dflash"``,
@@ -22,6 +23,7 @@ import sys
 from .checks_dflash2 import (TESTED_RANGE_TEXT, TESTED_TRANSFORMERS, check_compatible, check_placement,  # noqa: F401 (API)
                              check_transformers_version, is_dflash2_drafter)
 from .costs_dflash2 import cpu_has_native_bf16, rule_costs, step_costs  # noqa: F401 (precision.py reads cpu_has_native_bf16 here)
+from .batch_dflash2 import batched_speculative_decoding
 from .loop_dflash2 import speculative_decoding
 from .proposer_dflash2 import DFlash2Proposer, Draft, context_features, propose, reduce_streams  # noqa: F401 (API)
 from .ngram_dflash2 import StepCosts
@@ -79,7 +81,8 @@ def install_assisted_generation_hook() -> None:
         # two drafter folders each run, and report statistics from, their own generation module
         own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
         budget = own.decide_tree_budget(self, drafter, generation_config, model_kwargs.get("past_key_values"), input_ids)
-        return own.speculative_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+        decode = own.speculative_decoding if input_ids.shape[0] == 1 else own.batched_speculative_decoding
+        return decode(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
                                         streamer, budget=budget, **model_kwargs)
 
     @functools.wraps(original_validate)
@@ -134,5 +137,6 @@ __all__ = [
     "install_assisted_generation_hook",
     "propose",
     "speculative_decoding",
+    "batched_speculative_decoding",
     "trace_proposals",
 ]

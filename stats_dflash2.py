@@ -29,6 +29,9 @@ class DFlash2Stats:
     per_proposer: dict = field(default_factory=dict)  # proposer -> {"steps", "drafted", "accepted"}
     costs: dict = field(default_factory=dict)  # the step costs the rule used and their "source" (config / measured / table)
     mode: str = "linear"  # "linear" (one path per step) or "tree-N" (tree verification with N nodes)
+    batch_size: int = 1  # rows of the call; with more than one, every row's step is recorded (pooled) above
+    forwards: int = 0  # batched calls: target verification forwards (one serves every row)
+    row_accept_lengths: list = field(default_factory=list)  # batched calls: per row, tokens per forward
 
     def __post_init__(self):
         n = self.block_size - 1
@@ -106,6 +109,9 @@ class DFlash2Stats:
             "proposers": self.proposers,
             "costs": self.costs,
             "mode": self.mode,
+            "batch_size": self.batch_size,
+            "forwards": self.forwards,
+            "row_mean_acceptance_length": [sum(r) / max(len(r), 1) for r in self.row_accept_lengths],
             "per_proposer": {
                 name: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)}
                 for name, c in self.per_proposer.items()

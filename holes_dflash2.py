@@ -1,0 +1,77 @@
+"""Ragged progress in one batch: cache slots every row writes, HOLES where a row did not keep what was written.
+
+A batched step writes the same number of cache slots for every row (a forward is rectangular), but each row keeps
+its own number of them. The slots a row does not keep stay where they are and become holes: the row's 2D mask
+(1 = a real entry) zeroes them from then on, and its position ids count real entries only, so the row attends to
+exactly the keys, at exactly the positions, it would see alone. What is touched per step is the tail only:
+
+* ``crop_tail``: the slots NO row kept are cut off the end (every row's cache ends at its longest keeper);
+* ``compact``: now and then (``should_compact``: the holes would free a quarter of the cache), ONE gather per
+  layer moves every row's real entries together, right-aligned; the cost is one pass over the cache, amortised
+  over the steps that made the holes;
+* ``select_rows``: a row that finished leaves the batch; its slice of every cache is dropped.
+
+Works on ``DynamicLayer`` caches (the target's full-attention layers, the drafter's context cache); a layer that
+keeps more than keys and values (sliding windows, recurrent states, indexers) is refused by the batched loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_HOLES_TO_COMPACT = 32  # slots: below this a gather costs more than the holes do
+
+
+def positions_from_mask(mask: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+    """Position ids of new entries [b, n] from their 0/1 mask: ``start`` (real entries before them, [b]) plus the
+    real entries before each one; a hole gets 0 (masked out anyway), as transformers' ``generate`` gives padding."""
+    positions = mask.long().cumsum(-1) - 1  # [b, n]
+    if start is not None:
+        positions = positions + start.to(positions.device)[:, None]
+    return positions.masked_fill(mask == 0, 0)
+
+
+def kept_mask(kept: list[int], width: int, device) -> torch.Tensor:
+    """[b, width] 0/1: row i keeps its first ``kept[i]`` of the step's ``width`` slots."""
+    return (torch.arange(width, device=device)[None] < torch.tensor(kept, device=device)[:, None]).long()
+
+
+def crop_tail(cache, n: int) -> None:
+    """Drop the last ``n`` slots of every layer (no row kept them)."""
+    if n > 0:
+        cache.crop(-n)
+
+
+def should_compact(length: int, real: list[int]) -> bool:
+    """Compact when the holes would free at least a quarter of a cache ``length`` slots long (and a minimum)."""
+    freed = length - max(real, default=0)
+    return freed >= max(MIN_HOLES_TO_COMPACT, length // 4)
+
+
+def compact(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Move each row's real entries together, right-aligned, in order; returns the new mask [b, T'].
+
+    T' is the most real entries any row has; a shorter row gets holes on the left (like left padding)."""
+    counts = mask.sum(-1)  # [b]
+    width = int(counts.max())
+    # a stable sort of the 0/1 mask puts each row's holes first and its real entries last, both in order
+    order = torch.sort(mask.to(torch.int8), dim=-1, stable=True).indices[:, -width:]  # [b, T']
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        index = order.to(layer.keys.device)[:, None, :, None]  # [b, 1, T', 1]
+        layer.keys = layer.keys.gather(2, index.expand(*layer.keys.shape[:2], width, layer.keys.shape[-1]))  # [b, h, T', d]
+        layer.values = layer.values.gather(2, index.expand(*layer.values.shape[:2], width, layer.values.shape[-1]))
+    return mask.gather(-1, order)
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` (indices into the current batch) in every layer."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+            index = rows.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+
+__all__ = ["compact", "crop_tail", "kept_mask", "positions_from_mask", "select_rows", "should_compact"]

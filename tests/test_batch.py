@@ -1,0 +1,215 @@
+"""Batches through one plain call (batch_dflash2.py): each row accepts its own tokens, every row stays lossless.
+
+Greedy rows equal the target's own BATCHED generate of the same left-padded batch (fp32), across architectures,
+mixed prompt lengths, EOS mid-batch, max_new_tokens edges, logits processors and return_dict; sampling keeps each
+row's distribution (chi-square, with processors), and a verifier that ignores q fails the same test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CPU_FP32_COSTS, FREE_COSTS, overfit_drafter, root, tiny_drafter, tiny_target
+from test_sampling import N_NEW, V, _processors, chi_square_p_value, exact_joint
+
+LENGTHS = [3, 9, 5, 12, 1]  # mixed prompt lengths, left-padded to 12
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+def accepting_batch(request):
+    target = tiny_target(request.param)
+    drafter, prompts = overfit_drafter(target, steps=60)
+    width = max(LENGTHS)
+    rows = [prompts[i % len(prompts)][:n] for i, n in enumerate(LENGTHS)]
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])  # [5, 12]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])  # [5, 12]
+    return target, drafter, ids, mask
+
+
+def _mid_batch_eos(target, ids, mask) -> int:
+    """A token some rows emit after a few steps and others do not: an EOS that ends rows at different times."""
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return int(ref[:, ids.shape[1] + 5 :].flatten().mode().values)
+
+
+@pytest.mark.parametrize("costs", [FREE_COSTS, CPU_FP32_COSTS], ids=["gpu-like-costs", "cpu-costs"])
+def test_batched_greedy_equals_the_targets_batched_generate(accepting_batch, monkeypatch, costs):
+    target, drafter, ids, mask = accepting_batch
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": costs})
+    eos = _mid_batch_eos(target, ids, mask)
+    cases = [dict(max_new_tokens=1), dict(max_new_tokens=2), dict(max_new_tokens=30, eos_token_id=eos),
+             dict(max_new_tokens=25, repetition_penalty=1.3), dict(max_new_tokens=17, no_repeat_ngram_size=3)]
+    gen = root.generation()
+    ran = set()
+    for case in cases:
+        kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **case}
+        ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+        with gen.collect_stats() as runs:
+            out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
+        assert torch.equal(ref, out), case
+        ran |= set(runs[-1].per_proposer)
+        if "eos_token_id" in case and case["eos_token_id"] is not None:  # EOS really ended rows at different times
+            ends = [(row[ids.shape[1]:] == eos).nonzero() for row in ref]
+            assert len({int(e[0]) if len(e) else -1 for e in ends}) > 1
+    assert "dflash2" in ran  # drafts were verified, not only plain steps
+
+
+def test_return_dict_scores_and_logits_match(accepting_batch):
+    target, drafter, ids, mask = accepting_batch
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=20, return_dict_in_generate=True,
+              output_scores=True, output_logits=True, repetition_penalty=1.2)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert len(out.scores) == len(ref.scores) == 20 and len(out.logits) == 20
+    for mine, theirs in [*zip(out.scores, ref.scores), *zip(out.logits, ref.logits)]:
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_streamer_gets_the_columns_transformers_gives(accepting_batch):
+    target, drafter, ids, mask = accepting_batch
+
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=30, eos_token_id=_mid_batch_eos(target, ids, mask))
+    mine, theirs = Recorder(), Recorder()
+    target.generate(input_ids=ids, attention_mask=mask, streamer=theirs, **kw)
+    target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, streamer=mine, **kw)
+    assert mine.puts == theirs.puts and mine.ended and theirs.ended
+
+
+def test_holes_are_compacted_and_finished_rows_leave(accepting_batch, monkeypatch):
+    """With compaction forced often (every step that made any hole) and rows ending early, rows stay equal."""
+    target, drafter, ids, mask = accepting_batch
+    holes = root.holes()
+    monkeypatch.setattr(holes, "MIN_HOLES_TO_COMPACT", 1)
+    calls = []
+    real_compact = holes.compact
+    monkeypatch.setattr(root.batch(), "compact", lambda cache, mask: calls.append(mask.shape) or real_compact(cache, mask))
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=40, eos_token_id=_mid_batch_eos(target, ids, mask))
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
+    assert torch.equal(ref, out)
+    assert calls  # the target's cache was compacted at least once
+
+
+def test_compact_moves_each_rows_real_entries_together_in_order():
+    from transformers.cache_utils import DynamicCache
+
+    holes = root.holes()
+    cache = DynamicCache()
+    keys = torch.arange(3 * 2 * 6 * 1, dtype=torch.float32).view(3, 2, 6, 1)  # [b, h, T, d]
+    cache.update(keys.clone(), -keys.clone(), 0)
+    mask = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0]])
+    new_mask = holes.compact(cache, mask)
+    assert new_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]]
+    layer = cache.layers[0]
+    assert layer.keys.shape == (3, 2, 4, 1)
+    for row, kept in enumerate([[1, 3, 4], [0, 1, 2, 3], [4]]):
+        assert layer.keys[row, 1, -len(kept):, 0].tolist() == keys[row, 1, kept, 0].tolist()
+        assert layer.values[row, 0, -len(kept):, 0].tolist() == (-keys[row, 0, kept, 0]).tolist()
+
+
+def test_batch_cost_model_prices_a_batch_above_one_row():
+    """The same draft length costs a batch more (relative to its plain step) than one row: the rule cuts sooner."""
+    proposer = root.batch_proposer()
+    costs = root.ngram_of(tiny_drafter()).StepCosts(**CPU_FP32_COSTS)
+    assert proposer.batch_step_costs(costs, 1) is costs
+    four = proposer.batch_step_costs(costs, 4)
+    assert four.verify(8) > costs.verify(8) - costs.multi_token_step  # per drafted token, a batch pays more
+    assert four.verify(0) == 1.0 and four.per_token > costs.per_token
+
+
+def test_batched_refusals_name_the_fix(accepting_batch):
+    from transformers import StaticCache
+
+    target, drafter, ids, mask = accepting_batch
+    kw = dict(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="tree_budget"):
+        drafter.config.tree_budget = 8
+        try:
+            target.generate(**kw)
+        finally:
+            drafter.config.tree_budget = 0
+    with pytest.raises(ValueError, match="cache_implementation=None"):
+        target.generate(**kw, past_key_values=StaticCache(config=target.config, max_cache_len=64))
+
+
+def test_batched_refuses_stateful_targets():
+    from test_stateful import drafter_for
+
+    from dflash2_tools.tiny_targets import tiny_glm5_next
+
+    target = tiny_glm5_next()
+    drafter = drafter_for(target)
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    with pytest.raises(ValueError, match="prompt by prompt"):
+        target.generate(input_ids=ids, attention_mask=(ids > 0).long(), assistant_model=drafter, max_new_tokens=4, do_sample=False)
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------------
+
+SAMPLES = 600
+PROMPTS = [[1, 3, 2], [4, 1]]  # two rows of different lengths, one batch
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = tiny_target("llama", vocab=V, hidden=48, layers=3, seed=5)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.35)
+    target.generation_config.eos_token_id = None
+    drafter = tiny_drafter(target, seed=7, mask_token_id=V - 1, selector_top_k=3, block_size=4, conv_group_size=16)
+    with torch.no_grad():
+        drafter.candidate_selector.hidden_projection.weight.normal_(0, 2.0)
+    ids = torch.tensor([[0] * (3 - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (3 - len(p)) + [1] * len(p) for p in PROMPTS])
+    return target, drafter, ids, mask
+
+
+def _batched_counts(target, drafter, ids, mask, gen_kw, n):
+    counts = [{} for _ in PROMPTS]
+    for seed in range(n):
+        torch.manual_seed(seed)
+        out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, do_sample=True, max_new_tokens=N_NEW, **gen_kw)
+        for row, row_counts in enumerate(counts):
+            cell = tuple(out[row, ids.shape[1] :].tolist())
+            row_counts[cell] = row_counts.get(cell, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("temperature, top_p, repetition_penalty", [(1.0, 1.0, 1.0), (0.7, 0.9, 1.3)], ids=["plain", "processors"])
+def test_batched_sampling_keeps_each_rows_distribution(sampling_setup, monkeypatch, temperature, top_p, repetition_penalty):
+    target, drafter, ids, mask = sampling_setup
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS})
+    gen_kw = dict(temperature=temperature, top_p=top_p, top_k=0, repetition_penalty=repetition_penalty, pad_token_id=0)
+    with root.generation().collect_stats() as runs:
+        counts = _batched_counts(target, drafter, ids, mask, gen_kw, SAMPLES)
+    assert sum(r.drafted for r in runs) > 0
+    for prompt, row_counts in zip(PROMPTS, counts):
+        expected = exact_joint(target, torch.tensor([prompt]), _processors(temperature, top_p, repetition_penalty))
+        assert chi_square_p_value(row_counts, expected, SAMPLES) > 1e-3, prompt
+
+
+def test_a_batched_verifier_that_ignores_q_fails(sampling_setup, monkeypatch):
+    target, drafter, ids, mask = sampling_setup
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS})
+
+    def ignores_q(probs, token, log_q, generator=None):
+        if torch.rand((), generator=generator) < probs[token]:
+            return token
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    monkeypatch.setattr(root.tree(), "_draw_against_q", ignores_q)
+    counts = _batched_counts(target, drafter, ids, mask, dict(temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0), SAMPLES)
+    rejected = [chi_square_p_value(c, exact_joint(target, torch.tensor([p]), _processors(1.0, 1.0, 1.0)), SAMPLES) < 1e-3
+                for p, c in zip(PROMPTS, counts)]
+    assert any(rejected)
