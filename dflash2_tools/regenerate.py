@@ -55,16 +55,26 @@ def save_chunk(path: Path, prompts: list[list[int]], responses: list[list[int]])
     tmp.rename(path)
 
 
+def _chunk_paths(folder: str | Path) -> list[Path]:
+    """A folder's chunk files in order; ``FOLDER@N``: its first N chunks only (a run that must see the same
+    sequences while the data engine keeps adding chunks, e.g. to reuse a feature store keyed by them)."""
+    name, _, limit = str(folder).rpartition("@")
+    if not (name and limit.isdigit()):
+        name, limit = str(folder), ""
+    if not Path(name).is_dir():
+        raise SystemExit(f"data folder {name} does not exist: run python -m dflash2_tools.regenerate --out {name} first")
+    paths = sorted(p for p in Path(name).glob("chunk_*.npz") if ".tmp" not in p.name)
+    return paths[: int(limit)] if limit else paths
+
+
 def load_chunks(folders: str | Path | list[str | Path]) -> list[tuple[np.ndarray, int]]:
     """All regenerated sequences as (token ids, prompt length) pairs: folders in the order given,
     chunks in order within each (so appending a folder leaves the earlier sequences' indices, and
     with them the dev split, unchanged)."""
     folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
-    paths = [path for folder in folders for path in sorted(Path(folder).glob("chunk_*.npz"))]
+    paths = [path for folder in folders for path in _chunk_paths(folder)]
     out = []
     for path in paths:
-        if ".tmp" in path.name:
-            continue
         z = np.load(path)
         tokens, pl, rl = z["tokens"].astype(np.int64), z["prompt_lens"], z["response_lens"]
         start = 0

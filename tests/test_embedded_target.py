@@ -88,3 +88,23 @@ def test_text_iterator_streamer_same_text(smollm2):
         return text
 
     assert stream() == stream(assistant_model=smollm2.drafter)
+
+
+def test_batch_of_four_equals_the_targets_batched_generate(smollm2):
+    """Four chat prompts of different lengths, left-padded: every row equals the target's own batched generate."""
+    texts = PROMPTS + ["Explain in two sentences why the sky looks blue during the day but red at sunset."]
+    tokenizer = smollm2.tokenizer
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False) for t in texts]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        inputs = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    assert len(set(inputs["attention_mask"].sum(-1).tolist())) == 4  # four different prompt lengths
+    kw = dict(do_sample=False, max_new_tokens=48)
+    ref = smollm2.target.generate(**inputs, **kw)
+    with root.generation().collect_stats() as runs:
+        out = smollm2.target.generate(**inputs, assistant_model=smollm2.drafter, **kw)
+    assert torch.equal(ref, out), [tokenizer.decode(row) for row in out]
+    assert runs[-1].batch_size == 4 and runs[-1].forwards > 0

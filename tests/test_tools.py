@@ -49,6 +49,10 @@ def test_chunks_from_several_folders_keep_the_first_folders_order(tmp_path):
     seqs = load_chunks([tmp_path / "b", tmp_path / "a"])
     assert [int(t[0]) for t, _ in seqs] == [11, 12, 1, 2]
     assert [int(t[0]) for t, _ in load_chunks(str(tmp_path / "a"))] == [1, 2]
+    # FOLDER@N: the first N chunks only (the same sequences while an engine keeps adding chunks)
+    assert [int(t[0]) for t, _ in load_chunks([f"{tmp_path / 'b'}@1", tmp_path / "a"])] == [11, 1, 2]
+    with pytest.raises(SystemExit, match="does not exist"):
+        load_chunks(tmp_path / "missing")
 
 
 def test_benchmark_summary_and_table():
