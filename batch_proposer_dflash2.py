@@ -73,8 +73,10 @@ class BatchProposer:
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
         settings = self.config.hybrid_settings()
-        costs, source = step_costs(target, drafter, self.lm_head, self.device)
-        self.costs = batch_step_costs(StepCosts(**rule_costs(costs)), rows)
+        costs, source = step_costs(target, drafter, self.lm_head, self.device, rows)
+        self.costs = StepCosts(**rule_costs(costs))  # measured at this batch size: already the batch's
+        if source == "config" or source == "table":  # one row's numbers: scaled to the batch
+            self.costs = batch_step_costs(self.costs, rows)
         self.rules = [HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"],
                                  settings["drafter_acceptance"], self.costs) for _ in range(rows)]
         self.ngrams = [NgramIndex(min_n, max_n) for _ in range(rows)] if self.ngram_tokens else None

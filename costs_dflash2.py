@@ -87,34 +87,35 @@ class _Timer:
         return time.perf_counter() - t0
 
 
-def _cache_key(target, drafter, device, dtype) -> tuple:
+def _cache_key(target, drafter, device, dtype, rows: int = 1) -> tuple:
     tcfg = target.config.get_text_config()
-    return (str(device), str(dtype), type(target).__name__, getattr(target.config, "_name_or_path", ""),
+    return (rows, str(device), str(dtype), type(target).__name__, getattr(target.config, "_name_or_path", ""),
             tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, drafter.config.block_size, drafter.config.num_hidden_layers)
 
 
 @torch.no_grad()
-def measure_step_costs(target, drafter, lm_head, device: torch.device) -> dict:
-    """Time the target's 1-, 2- and longest-verification forwards and one draft; return the fitted costs (module doc)."""
+def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) -> dict:
+    """Time the target's 1-, 2- and longest-verification forwards and one draft; return the fitted costs (module doc).
+    ``rows``: of a batch that many rows (each forward then runs rows x n tokens; the unit is a plain batched step)."""
     cfg = drafter.config
     block = cfg.block_size
     longest = 1 + max(block - 1, cfg.hybrid_settings()["num_tokens"])  # the most tokens a linear step verifies
     tdevice = target.get_input_embeddings().weight.device
     tdevice = tdevice if tdevice.type != "meta" else device
     rng = torch.Generator().manual_seed(0)  # its own: a measurement inside a sampling call leaves the global RNG alone
-    ids = torch.randint(0, cfg.vocab_size, (1, longest), generator=rng).to(tdevice)  # [1, n_max]
+    ids = torch.randint(0, cfg.vocab_size, (rows, longest), generator=rng).to(tdevice)  # [rows, n_max]
     layers = [i + 1 for i in cfg.target_layer_ids]
     dtype = next(drafter.parameters()).dtype
-    noise = torch.randn(1, block, cfg.hidden_size, generator=rng).to(device, dtype)  # [1, B, H]
-    context = torch.randn(1, 4, len(cfg.target_layer_ids) * cfg.hidden_size, generator=rng).to(device, dtype)  # [1, 4, n*H]
+    noise = torch.randn(rows, block, cfg.hidden_size, generator=rng).to(device, dtype)  # [rows, B, H]
+    context = torch.randn(rows, 4, len(cfg.target_layer_ids) * cfg.hidden_size, generator=rng).to(device, dtype)  # [rows, 4, n*H]
     anchor = ids[:, -1].to(device)
 
     def forward(n):
         return lambda: target(input_ids=ids[:, :n], use_cache=True, output_hidden_states=layers)
 
     def draft():
-        hidden = drafter(noise_embeds=noise, context_hidden_states=context).last_hidden_state[:, 1:]  # [1, B-1, H]
-        logits = drafter.draft_logits(lm_head, hidden).float()  # [1, B-1, V']
+        hidden = drafter(noise_embeds=noise, context_hidden_states=context).last_hidden_state[:, 1:]  # [rows, B-1, H]
+        logits = drafter.draft_logits(lm_head, hidden).float()  # [rows, B-1, V']
         if drafter.candidate_selector is not None:
             vocab_ids = getattr(lm_head, "vocab_ids", None)
             drafter.candidate_selector.walk(hidden, logits, anchor, 0.0, vocab_ids=None if vocab_ids is None else vocab_ids.to(device))
@@ -138,7 +139,7 @@ def measure_step_costs(target, drafter, lm_head, device: torch.device) -> dict:
     return costs
 
 
-def step_costs(target, drafter, lm_head, device: torch.device) -> tuple[dict, str]:
+def step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) -> tuple[dict, str]:
     """(costs, source) for this call, by ``hybrid_ngram["costs"]``:
 
     * a dict: those numbers ("config");
@@ -149,21 +150,25 @@ def step_costs(target, drafter, lm_head, device: torch.device) -> tuple[dict, st
       they beat this CPU's own measured costs (docs/evaluation.md) -- and measured everywhere else (GPUs, bf16),
       where the table is far from the truth.
 
+    ``rows`` > 1 (a batch): the costs of verifying every row at once, in units of a plain batched step. A batch is
+    measured whenever one row would be measured or looked up in the table (the table holds one-row numbers); a
+    configured dict is scaled by token count (``batch_proposer_dflash2.batch_step_costs``, by the caller).
+
     ``lm_head``: the draft head (None: built from the target's when a measurement needs it)."""
     configured = drafter.config.hybrid_settings()["costs"]
     dtype = next(drafter.parameters()).dtype
     if isinstance(configured, dict):
         return dict(configured), "config"
-    if configured == "table" or (configured is None and torch.device(device).type == "cpu" and dtype == torch.float32):
+    if rows == 1 and (configured == "table" or (configured is None and torch.device(device).type == "cpu" and dtype == torch.float32)):
         return table_step_costs(device, dtype), "table"
-    key = _cache_key(target, drafter, device, dtype)
+    key = _cache_key(target, drafter, device, dtype, rows)
     if key not in _MEASURED:
         try:
             lm_head = lm_head if lm_head is not None else drafter.draft_head(target.get_output_embeddings())
-            _MEASURED[key] = measure_step_costs(target, drafter, lm_head, device)
+            _MEASURED[key] = measure_step_costs(target, drafter, lm_head, device, rows)
         except (RuntimeError, ValueError, TypeError) as error:  # a target whose bare forward we cannot call: the table
             return {**table_step_costs(device, dtype), "error": f"{type(error).__name__}: {error}"[:200]}, "table"
-    return dict(_MEASURED[key]), "measured"
+    return dict(_MEASURED[key]), "measured" if rows == 1 else f"measured at batch {rows}"
 
 
 def rule_costs(costs: dict) -> dict:

@@ -36,8 +36,8 @@ def refuse_unsupported_call(target, input_ids, generation_config, cache, budget:
     """What no mode serves, as clear errors before the first forward."""
     if input_ids.shape[0] != 1:
         raise ValueError(
-            f"DFlash 2 through target.generate(assistant_model=...) runs batch size 1, got batch size "
-            f"{input_ids.shape[0]}: generate prompt by prompt"
+            f"speculative_decoding runs one row, got batch size {input_ids.shape[0]}: call target.generate(..., "
+            f"assistant_model=drafter), which sends batches to batch_dflash2.batched_speculative_decoding"
         )
     if cache is None:
         raise ValueError("DFlash 2 speculative decoding needs the target's cache: pass use_cache=True")

@@ -33,6 +33,8 @@ own ``generate``:
   llama.cpp's own converter (``--spec-type draft-dflash``, the whole block), and with its n-gram
   drafting (``ngram-simple``); decode tok/s and tokens per target forward as llama.cpp prints them.
   Their text is llama.cpp's target's (not compared with ours: a different quantisation of numerics)
+* ``--batch-sizes 1 4 8``: batches instead (``bench_batch.py``): the target's own batched ``generate`` against
+  the plain call on the same left-padded batches
 
 Acceptance length for every method = new tokens / target forwards after the prefill (a counter
 on the target's forward), so the numbers are comparable. Every greedy output is checked against
@@ -383,7 +385,17 @@ def main(argv=None):
     ap.add_argument("--tree-budget", type=int, default=16, help="tree nodes per step of the dflash2-tree methods")
     ap.add_argument("--out", default="docs/bench")
     ap.add_argument("--replot", action="store_true", help="only redraw benchmark.png from --out's results.json")
+    ap.add_argument("--batch-sizes", nargs="*", type=int, default=[],
+                    help="batches instead of methods: the target's batched generate against the plain call, per batch size "
+                         "(bench_batch.py; greedy, the first of --dtypes)")
     args = ap.parse_args(argv)
+    if args.batch_sizes:
+        from .bench_batch import benchmark_batches, write
+
+        target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtypes[0]))
+        drafter = root.load_drafter(args.drafter, dtype=getattr(torch, args.dtypes[0])).eval()
+        write(benchmark_batches(args, target, tokenizer, drafter), args, Path(args.out))
+        return
     if args.replot:
         saved = json.loads((Path(args.out) / "results.json").read_text())
         plot(saved["runs"], saved["summary"], Path(args.out))

@@ -128,6 +128,16 @@ def test_batch_cost_model_prices_a_batch_above_one_row():
     assert four.verify(0) == 1.0 and four.per_token > costs.per_token
 
 
+def test_a_batch_measures_its_own_costs(accepting_batch, monkeypatch):
+    """The default costs of an fp32 CPU are a one-row table; a batch is measured at its own size instead."""
+    target, drafter, ids, mask = accepting_batch
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": None})
+    with root.generation().collect_stats() as runs:
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert runs[-1].costs["source"] == f"measured at batch {ids.shape[0]}"
+    assert runs[-1].costs["batch"]["per_token"] >= 0
+
+
 def test_batched_refusals_name_the_fix(accepting_batch):
     from transformers import StaticCache
 
