@@ -63,14 +63,21 @@ METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash
 STATIC_COMPILED = "-static-compiled"
 
 
-def static_compiled_kwargs(cache_length: int) -> dict:
-    """generate() kwargs for a static cache of one fixed length (one set of shapes for the whole run) compiled with
-    inductor on any device (transformers compiles by itself on accelerators only; "reduce-overhead" = CUDA graphs)."""
+def compile_on_any_device(cuda: bool = False):
+    """transformers' ``CompileConfig`` that compiles generate's decoding forward on a CPU too (by itself transformers
+    compiles on accelerators only); inductor, "reduce-overhead" (CUDA graphs) on CUDA."""
     from transformers import CompileConfig
 
-    config = CompileConfig(mode="default" if not torch.cuda.is_available() else "reduce-overhead")
+    config = CompileConfig(mode="reduce-overhead" if cuda else "default")
     config._compile_all_devices = True
-    return dict(cache_implementation="static", compile_config=config, max_cache_len=cache_length)
+    return config
+
+
+def static_compiled_kwargs(cache_length: int) -> dict:
+    """generate() kwargs for a static cache of one fixed length (one set of shapes for the whole run), compiled on
+    any device."""
+    return dict(cache_implementation="static", compile_config=compile_on_any_device(torch.cuda.is_available()),
+                max_cache_len=cache_length)
 
 
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")

@@ -51,7 +51,8 @@ def test_batched_greedy_equals_the_targets_batched_generate(accepting_batch, mon
         if "eos_token_id" in case and case["eos_token_id"] is not None:  # EOS really ended rows at different times
             ends = [(row[ids.shape[1]:] == eos).nonzero() for row in ref]
             assert len({int(e[0]) if len(e) else -1 for e in ends}) > 1
-    assert "dflash2" in ran  # drafts were verified, not only plain steps
+    if costs is FREE_COSTS:  # verification is free: drafts are verified, not only plain steps
+        assert "dflash2" in ran
 
 
 def test_return_dict_scores_and_logits_match(accepting_batch):
@@ -136,6 +137,21 @@ def test_a_batch_measures_its_own_costs(accepting_batch, monkeypatch):
         target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert runs[-1].costs["source"] == f"measured at batch {ids.shape[0]}"
     assert runs[-1].costs["batch"]["per_token"] >= 0
+
+
+def test_the_batch_verifies_what_its_slowest_row_can_use():
+    """One length for the batch: where verification costs, a row with nothing to verify keeps the batch at a plain
+    step (the batch waits for its slowest row); where it is free, the longest proposal is verified."""
+    bp, ngram = root.batch_proposer(), root.ngram_of(tiny_drafter())
+    rule = lambda costs: ngram.HybridRule([0.0, 0.5, 0.7, 0.9], 1.0, 0.0, [0.8] * 7, costs)  # noqa: E731
+    good = bp.PathProposal(ngram.Proposal("ngram", 6), [0.9] * 6, [5, 6, 7, 8, 9, 10])
+    nothing = bp.PathProposal(ngram.Proposal("none", 0), [], [])
+    cpu = bp.batch_step_costs(ngram.StepCosts(**CPU_FP32_COSTS), 2)
+    free = ngram.StepCosts(**FREE_COSTS)
+    assert bp.batch_length([good, nothing], [rule(cpu), rule(cpu)], cpu) == 0
+    assert bp.batch_length([good, good], [rule(cpu), rule(cpu)], cpu) > 0
+    assert bp.batch_length([good, nothing], [rule(free), rule(free)], free) == 6
+    assert bp.worth_drafting([True, False], [False, True]) and not bp.worth_drafting([True, False], [False, False])
 
 
 def test_batched_refusals_name_the_fix(accepting_batch):

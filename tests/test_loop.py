@@ -2,17 +2,9 @@
 
 import pytest
 import torch
-from transformers import CompileConfig
 
 from conftest import tiny_drafter, tiny_target
-
-
-def compile_on_any_device() -> CompileConfig:
-    """transformers compiles generate's decoding forward on accelerators only; this config asks for it on the CPU
-    (``mode="default"``: "reduce-overhead" means CUDA graphs)."""
-    config = CompileConfig(mode="default")
-    config._compile_all_devices = True
-    return config
+from dflash2_tools.benchmark import compile_on_any_device
 
 
 def graphs_compiled() -> int:
