@@ -127,12 +127,14 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
     first = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw.clone()
     token = int(torch.multinomial(torch.softmax(first, -1), 1)) if do_sample else int(first.argmax())
     new = [token]
+    history = input_ids[0].tolist()  # the sequence on the host, grown by the committed tokens (no per-step transfer)
     if scores is not None:
         scores += (first,)
     if raw_logits is not None:
         raw_logits += (raw,)
     while True:
         input_ids = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=device)], dim=1)
+        history += new
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((1, len(new)))], dim=1)
         if streamer is not None:
             streamer.put(torch.tensor(new))
@@ -150,10 +152,11 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         tree, path = root_tree(anchor), None
         space = None if slots is None else slots - past - 1  # nodes a static cache can still take
         if room > 1 and budget == 0:
-            path = proposer.propose_path(input_ids, attention_mask, room - 1 if space is None else min(room - 1, space))
+            path = proposer.propose_path(input_ids, attention_mask, room - 1 if space is None else min(room - 1, space),
+                                         history)
             tree = chain_tree(anchor, path.tokens)
         elif room > 1:
-            tree = proposer.propose_tree(input_ids, attention_mask, anchor, budget, room - 1, space)
+            tree = proposer.propose_tree(input_ids, attention_mask, anchor, budget, room - 1, space, history)
         proposer.stats.draft_seconds += time.perf_counter() - t0
 
         # 2. verify every node in one forward

@@ -215,13 +215,19 @@ class DFlash2Proposer:
         hidden = self.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
         return propose(self.drafter, self.lm_head, hidden[:, :n_draft], input_ids[:, -1], self.temperature)
 
-    def propose_path(self, input_ids, attention_mask, limit: int) -> PathProposal:
+    def extend_ngram_index(self, input_ids, history: list[int] | None = None) -> None:
+        """The n-gram index takes the tokens committed since its last call: from ``history`` (the loop's host copy of
+        the sequence, no device transfer) when given, else from ``input_ids``."""
+        start = len(self.ngram.ids)
+        self.ngram.extend(history[start:] if history is not None else input_ids[0, start:].tolist())
+
+    def propose_path(self, input_ids, attention_mask, limit: int, history: list[int] | None = None) -> PathProposal:
         """One path of at most ``limit`` tokens, as the hybrid rule picks it: the n-gram continuation, the block draft
         (run only when the rule says it is worth its forward, or when proposals are traced) or nothing, cut to what
         pays (``ngram_dflash2.HybridRule``)."""
         match = None
         if self.ngram is not None:
-            self.ngram.extend(input_ids[0, len(self.ngram.ids):].tolist())  # only the newly committed tokens
+            self.extend_ngram_index(input_ids, history)
             match = self.ngram.lookup(min(self.ngram_tokens, limit))
         n_draft = min(self.draft_limit, limit)
         confidences, drafted, log_q = None, [], None
@@ -240,7 +246,8 @@ class DFlash2Proposer:
         rates = self.rule.drafter_rates(confidences) if confidences is not None else []
         return PathProposal(choice, rates, drafted[: choice.length], None if log_q is None else log_q[: choice.length])
 
-    def propose_tree(self, input_ids, attention_mask, anchor: int, budget: int, depth_limit: int, max_nodes: int | None = None):
+    def propose_tree(self, input_ids, attention_mask, anchor: int, budget: int, depth_limit: int, max_nodes: int | None = None,
+                     history: list[int] | None = None):
         """A ``TokenTree``: the ``budget`` most probable nodes of the block's top-K lattice (at most ``depth_limit``
         deep), plus the n-gram continuation as a branch; ``max_nodes`` bounds both together (a static cache's slots)."""
         hidden = self.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
@@ -250,7 +257,7 @@ class DFlash2Proposer:
         nodes = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
         tree = build_tree(anchor, candidates, log_probs, nodes, depth_limit)
         if self.ngram is not None:
-            self.ngram.extend(input_ids[0, len(self.ngram.ids):].tolist())
+            self.extend_ngram_index(input_ids, history)
             match = self.ngram.lookup(branch)
             if match is not None:
                 add_branch(tree, match.tokens)
