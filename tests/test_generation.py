@@ -172,11 +172,13 @@ def test_unsupported_modes_are_refused(kwargs, message):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=5, **kwargs)
 
 
-def test_batch_larger_than_one_is_refused():
+def test_a_batch_without_a_mask_equals_the_targets_batched_generate():
+    """Batches are served (tests/test_batch.py); equal-length rows with no attention mask too."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
-    with pytest.raises(ValueError, match="batch size"):
-        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), assistant_model=drafter, max_new_tokens=5)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    want = target.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=5, do_sample=False, pad_token_id=0), want)
 
 
 def test_builtin_dflash_path_still_works(accepting):
