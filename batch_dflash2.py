@@ -26,10 +26,11 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .attention_dflash2 import verification_attention
 from .batch_proposer_dflash2 import BatchProposer
 from .holes_dflash2 import compact, crop_tail, kept_mask, positions_from_mask, select_rows, should_compact
 from .loop_dflash2 import chain_tree
-from .tree_dflash2 import walk
+from .tree_dflash2 import processed_logits, walk
 
 MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")  # kernels that take a 2D mask with holes
 
@@ -77,12 +78,11 @@ def as_row(fn, ids: list[int], row: int, rows: int, device, scores: torch.Tensor
 def accept_row(logits, proposal, anchor: int, prefix: list[int], row: int, rows: int, logits_processor, do_sample: bool, device):
     """(accepted tokens, bonus token, node -> processed logits) of one row from its verification logits [1 + L, V]."""
     tree = chain_tree(anchor, proposal.tokens)
-
-    def node_logits(i: int) -> torch.Tensor:  # processors see the node's own prefix
-        if not len(logits_processor):
-            return logits[i]
-        return as_row(logits_processor, prefix + proposal.tokens[:i], row, rows, device, logits[i])
-
+    process = None
+    if len(logits_processor):  # processors see the node's own prefix after the row's sequence
+        def process(path, row_logits):
+            return as_row(logits_processor, prefix + path, row, rows, device, row_logits)
+    node_logits = processed_logits(tree, logits, process)
     log_q = proposal.log_q
     path, bonus = walk(tree, node_logits, do_sample, proposal=None if log_q is None else log_q.__getitem__)
     return [tree.tokens[i] for i in path[1:]], bonus, node_logits
@@ -129,8 +129,10 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
     tokens = torch.multinomial(torch.softmax(first, -1), 1)[:, 0] if do_sample else first.argmax(-1)  # [b]
     new = [[t] for t in tokens.tolist()]
     for r in range(rows):
-        row_scores[r].append(first[r]) if want_scores else None
-        row_raw[r].append(raw[r]) if want_logits else None
+        if want_scores:
+            row_scores[r].append(first[r])
+        if want_logits:
+            row_raw[r].append(raw[r])
     active = list(range(rows))  # caller rows still generating, in batch order
     kv_mask = attention_mask.long()  # [b, T] 1 = a real entry of the target's cache
     real = attention_mask.sum(-1).tolist()  # real entries per row (= the next position)
@@ -149,7 +151,7 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
             index = torch.tensor(still, device=device)
             select_rows(cache, index)
             kv_mask = kv_mask.index_select(0, index)
-            proposer.select_rows(still)
+            proposer.keep_rows(still)
             active, new, real = [active[i] for i in still], [new[i] for i in still], [real[i] for i in still]
         anchors = [generated[r][-1] for r in active]
         limits = [generation_config.max_length - prompt_length - len(generated[r]) - 1 for r in active]  # drafts that fit
@@ -161,8 +163,9 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
         # 2. verify every row in one forward; shorter rows are padded with their anchor (slots that become holes)
         step_ids = torch.tensor([[a] + p.tokens + [a] * (width - 1 - len(p.tokens)) for a, p in zip(anchors, proposals)], device=device)
         positions = torch.tensor(real, device=device)[:, None] + torch.arange(width, device=device)  # [b, 1 + L]
-        out = target(input_ids=step_ids, position_ids=positions, attention_mask=torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1),
-                     past_key_values=cache, use_cache=True, output_hidden_states=layers)
+        with verification_attention(target):  # packed GQA heads: no copy of the whole cache per layer under the mask
+            out = target(input_ids=step_ids, position_ids=positions, attention_mask=torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1),
+                         past_key_values=cache, use_cache=True, output_hidden_states=layers)
         logits = out.logits.float()  # [b, 1 + L, V]
 
         # 3. accept, per row

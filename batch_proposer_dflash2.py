@@ -66,15 +66,24 @@ def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: 
     return best
 
 
-def worth_drafting(wants: list[bool], serves: list[bool]) -> bool:
-    """Run the drafter when some row wants its draft and every row has something worth verifying (its draft or its
-    n-gram continuation): a row with neither holds the whole batch at plain steps (``batch_length``)."""
-    return any(wants) and all(w or s for w, s in zip(wants, serves))
+def draft_pays(rules: list[HybridRule], matches: list, n_draft: list[int], costs: StepCosts) -> bool:
+    """Before drafting: does a draft promise the batch more tokens per unit of cost, its forward included, than the
+    rows' n-gram continuations alone (or a plain step)? Each option is valued as ``batch_length`` values a step, by
+    the row that gains least at the best length; a row's draft by the drafter's calibrated mean acceptance."""
+    def value(length: int, with_draft: bool) -> float:
+        least = min(max(expected_tokens(rule.mean_drafter_rates(n)[:length], rule.factor("dflash2")) if with_draft and n else 1.0,
+                        expected_tokens(rule.ngram_rates(m)[:length], rule.factor("ngram")) if m and m.tokens else 1.0)
+                    for rule, m, n in zip(rules, matches, n_draft))
+        return least / (costs.verify(length) + (costs.draft if with_draft else 0.0))
+
+    longest = max([len(m.tokens) for m in matches if m] + n_draft)
+    without = max(value(length, False) for length in range(longest + 1))
+    return max((value(length, True) for length in range(1, max(n_draft) + 1)), default=0.0) > without
 
 
 class BatchProposer:
     """Drafting state for one batched ``generate`` call; rows are indexed by their place in the current batch
-    (``select_rows`` drops finished ones), ``row_ids`` maps them back to the caller's rows."""
+    (``keep_rows`` drops finished ones), ``row_ids`` maps them back to the caller's rows."""
 
     def __init__(self, target, drafter, generation_config, prompts: list[list[int]]):
         check_compatible(target, drafter)
@@ -123,7 +132,7 @@ class BatchProposer:
                               for l in self.config.target_layer_ids], dim=-1)  # [b, K, n*H]
         self.pending.append((features, kept_mask.to(self.device)))
 
-    def select_rows(self, keep: list[int]) -> None:
+    def keep_rows(self, keep: list[int]) -> None:
         """Keep only the batch rows ``keep`` (places in the current batch)."""
         index = torch.tensor(keep, device=self.device)
         select_rows(self.cache, index)
@@ -165,7 +174,7 @@ class BatchProposer:
 
     def propose(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int]) -> list[PathProposal]:
         """One path per row (``limits[i]``: at most that many tokens), as that row's rule picks it; ONE drafter
-        forward serves every row when any row's rule finds a draft worth it. ``new_tokens``: per row, the tokens
+        forward serves every row when a draft pays for the batch (``draft_pays``). ``new_tokens``: per row, the tokens
         committed since the last call (the n-gram index grows from host lists, no device transfer)."""
         rows = len(anchors)
         matches = [None] * rows
@@ -174,10 +183,9 @@ class BatchProposer:
                 self.ngrams[i].extend(new_tokens[i])
                 matches[i] = self.ngrams[i].lookup(min(self.ngram_tokens, limits[i]))
         n_draft = [min(self.draft_limit, limit) for limit in limits]
-        wants = [n > 0 and (self.ngrams is None or self.rules[i].run_drafter(matches[i], n)) for i, n in enumerate(n_draft)]
-        serves = [self.rules[i].choose(matches[i], None).proposer == "ngram" for i in range(rows)]
+        without_draft = [self.rules[i].choose(matches[i], None) for i in range(rows)]  # each row's choice if no draft runs
         confidences, drafted, log_q = [None] * rows, [[] for _ in range(rows)], None
-        if worth_drafting(wants, serves):
+        if any(n_draft) and (self.ngrams is None or draft_pays(self.rules, matches, n_draft, self.costs)):
             t0 = time.perf_counter()
             longest = max(n_draft)
             hidden = self.draft_hidden(torch.tensor(anchors, device=self.device))  # [b, B-1, H]
@@ -191,7 +199,7 @@ class BatchProposer:
             self.stats.draft_seconds += time.perf_counter() - t0
         out = []
         for i in range(rows):
-            choice = self.rules[i].choose(matches[i], confidences[i])
+            choice = self.rules[i].choose(matches[i], confidences[i]) if confidences[i] is not None else without_draft[i]
             if choice.proposer == "ngram":
                 out.append(PathProposal(choice, self.rules[i].ngram_rates(matches[i]), matches[i].tokens[: choice.length]))
             else:
@@ -221,4 +229,4 @@ def cut(proposal: PathProposal, length: int) -> PathProposal:
     return PathProposal(choice, proposal.rates, kept, log_q)
 
 
-__all__ = ["BatchProposer", "batch_length", "batch_step_costs", "expected_tokens"]
+__all__ = ["BatchProposer", "batch_length", "batch_step_costs", "draft_pays", "expected_tokens"]

@@ -28,8 +28,9 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from .proposer_dflash2 import DFlash2Proposer
-from .tree_dflash2 import (add_branch, keep_cache_entries, refuse_unsupported, root_tree, static_cache_length,
-                           tree_attention_mask, tree_mask_attention, walk)
+from .attention_dflash2 import verification_attention
+from .tree_dflash2 import (add_branch, keep_cache_entries, processed_logits, refuse_unsupported, root_tree,
+                           static_cache_length, tree_attention_mask, walk)
 
 
 def refuse_unsupported_call(target, input_ids, generation_config, cache, budget: int) -> None:
@@ -173,7 +174,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
             n_rows = n_rows if padded else len(tree)
             tokens = tree.tokens + [anchor] * (n_rows - len(tree))  # padding rows: masked out, overwritten or dropped
             positions = past + torch.nn.functional.pad(depths, (0, n_rows - len(tree)))  # [n_rows]
-            with tree_mask_attention(target):
+            with verification_attention(target):
                 out = (verify_compiled if padded else target)(
                     input_ids=torch.tensor([tokens], device=device), position_ids=positions[None],
                     attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype, slots, n_rows),
@@ -181,20 +182,12 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         node_raw = out.logits[0].float()  # [rows, V]
         if padded:
             node_raw = node_raw.clone()  # a CUDA-graph replay reuses its output memory at the next step
-        processed = {}
-
-        def node_logits(i: int) -> torch.Tensor:  # processors see the node's own prefix
-            if i not in processed:
-                if len(logits_processor):
-                    prefix, j = [], i
-                    while j > 0:
-                        prefix.append(tree.tokens[j])
-                        j = tree.parents[j]
-                    ids = torch.cat([input_ids, torch.tensor([prefix[::-1]], dtype=input_ids.dtype, device=device)], 1)
-                    processed[i] = logits_processor(ids, node_raw[i : i + 1].clone())[0]
-                else:
-                    processed[i] = node_raw[i]
-            return processed[i]
+        process = None
+        if len(logits_processor):  # processors see the node's own prefix after the committed sequence
+            def process(prefix, row, ids=input_ids):
+                ids = torch.cat([ids, torch.tensor([prefix], dtype=ids.dtype, device=device)], 1)  # [1, T + depth]
+                return logits_processor(ids, row[None].clone())[0]
+        node_logits = processed_logits(tree, node_raw, process)
 
         # 3. accept
         log_q = None if path is None else path.log_q  # [L, V]: the chain's tokens were sampled from the drafter

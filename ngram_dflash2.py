@@ -147,11 +147,14 @@ class HybridRule:
             return 1.0, 0
         return self._best(self.ngram_rates(match), self.factor("ngram"))
 
+    def mean_drafter_rates(self, n_draft: int) -> list[float]:
+        """Per-token acceptance of a draft before it is drawn: P(i accepted | i-1 accepted) from the calibration."""
+        cumulative = self.drafter_acceptance[:n_draft]
+        return [p / q if q > 0 else 0.0 for p, q in zip(cumulative, [1.0, *cumulative])]
+
     def run_drafter(self, match: NgramMatch | None, n_draft: int) -> bool:
         """Is a draft worth its forward this step, judged by the drafter's mean acceptance?"""
-        cumulative = self.drafter_acceptance[:n_draft]
-        rates = [p / q if q > 0 else 0.0 for p, q in zip(cumulative, [1.0, *cumulative])]
-        expected, _ = self._best(rates, self.factor("dflash2"), extra_cost=self.costs.draft)
+        expected, _ = self._best(self.mean_drafter_rates(n_draft), self.factor("dflash2"), extra_cost=self.costs.draft)
         n_value, _ = self._ngram_value(match)
         return expected > max(1.0, n_value + (self.ngram_margin if match and match.tokens else 0.0))
 

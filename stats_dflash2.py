@@ -67,6 +67,9 @@ class DFlash2Stats:
         self.draft_seconds += other.draft_seconds
         self.rollback_seconds += other.rollback_seconds
         self.proposers += other.proposers
+        self.forwards += other.forwards
+        self.row_accept_lengths += other.row_accept_lengths  # rows of every pooled batch, in order
+        self.batch_size = max(self.batch_size, other.batch_size)
         for name, counts in other.per_proposer.items():
             mine = self.per_proposer.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
             for key in mine:

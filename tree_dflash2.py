@@ -26,12 +26,12 @@ every mode through these helpers.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
+
 
 
 @dataclass
@@ -188,6 +188,28 @@ def keep_cache_entries(cache, past: int, keep: list[int]) -> None:
             layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
+def processed_logits(tree: TokenTree, raw: torch.Tensor, process):
+    """``node_logits`` for ``walk``: node i's logits [V] from the verification logits ``raw`` [nodes, V], through
+    ``process(prefix, logits)`` (the logits processors; None: the raw row), where ``prefix`` is the list of tree
+    tokens from the root's child down to node i -- what a processor sees after the committed sequence. Memoised:
+    the walk and the returned scores ask for the same nodes."""
+    done = {}
+
+    def node_logits(i: int) -> torch.Tensor:
+        if i not in done:
+            if process is None:
+                done[i] = raw[i]
+            else:
+                prefix, j = [], i
+                while j > 0:
+                    prefix.append(tree.tokens[j])
+                    j = tree.parents[j]
+                done[i] = process(prefix[::-1], raw[i])
+        return done[i]
+
+    return node_logits
+
+
 def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None, proposal=None) -> tuple[list[int], int]:
     """Accepted path (node ids from the root) and the bonus token.
 
@@ -304,21 +326,3 @@ def refuse_unsupported(target, generation_config, cache=None) -> None:
 
 
 # Attention backends that take an arbitrary (tree) mask; a flash kernel reads a 4D mask as a padding mask.
-TREE_MASK_BACKEND = "sdpa"
-
-
-@contextlib.contextmanager
-def tree_mask_attention(target):
-    """Run the target's attention through a backend that takes the 4D tree mask (SDPA) when its own cannot
-    (flash-attention 2/3 and their hub-kernel variants). Same cache layout, so prefill and plain steps keep
-    the fast kernel; only the verification forward switches."""
-    config = target.config.get_text_config()
-    current = config._attn_implementation
-    if current is None or "flash" not in current:
-        yield
-        return
-    config._attn_implementation_internal = TREE_MASK_BACKEND
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = current

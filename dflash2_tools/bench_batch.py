@@ -5,7 +5,8 @@
 
 Per prompt set and batch size b: the set's first ``limit`` prompts (chat template, left-padded) in consecutive
 batches of b; each batch runs ``target.generate(**batch)`` and ``target.generate(**batch, assistant_model=drafter)``
-back to back (greedy, every row checked equal to the target's), after one warm-up batch per size. Reported:
+back to back, in alternating order (greedy, every row checked equal to the target's), after one warm-up batch per
+size. ``--batch-rules longest plain`` adds the forced extremes the rule is checked against. Reported:
 throughput (new tokens, EOS included, per second over the batch; the median over batches and the pooled total),
 the ratio to the target's, tokens per target forward (new tokens of the batch / verification forwards, and per row),
 and what the rule chose. ``results.json``, ``results.md`` and ``batch.png`` in ``--out``.
@@ -23,6 +24,12 @@ from tqdm import tqdm
 
 from . import drafter as root
 from .prompts import load_prompt_set
+
+
+# ``--batch-rules``: the drafter's own rule, and two forced extremes to check its choice against (costs that make
+# every verification free: each step verifies the longest proposal; or prohibitive: plain batched steps only)
+FORCED_COSTS = {"longest": {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0},
+                "plain": {"multi_token_step": 1e3, "per_token": 1e3, "draft": 1e3}}
 
 
 def left_padded(tokenizer, records) -> dict:
@@ -45,21 +52,29 @@ def new_tokens(sequences: torch.Tensor, prompt_width: int, eos: set[int], pad: i
     return counts
 
 
-def run_batch(target, drafter, inputs, gen_kw, eos, pad) -> dict:
-    """The target alone and the plain call on one batch, back to back."""
+def run_batch(target, drafter, inputs, gen_kw, eos, pad, target_first: bool = True) -> dict:
+    """The target alone and the plain call on one batch, back to back (``target_first``: which one goes first;
+    the benchmark alternates, so a machine that slows down or speeds up over minutes favours neither)."""
     gen = root.generation_of(drafter)
-    t0 = time.perf_counter()
-    ref = target.generate(**inputs, **gen_kw)
-    target_seconds = time.perf_counter() - t0
-    with gen.collect_stats() as runs:
+
+    def alone():
         t0 = time.perf_counter()
-        out = target.generate(**inputs, assistant_model=drafter, **gen_kw)
-        spec_seconds = time.perf_counter() - t0
-    stats = runs[-1]
+        return target.generate(**inputs, **gen_kw), time.perf_counter() - t0
+
+    def speculative():
+        with gen.collect_stats() as runs:
+            t0 = time.perf_counter()
+            out = target.generate(**inputs, assistant_model=drafter, **gen_kw)
+            return out, time.perf_counter() - t0, runs[-1]
+
+    if target_first:
+        (ref, target_seconds), (out, spec_seconds, stats) = alone(), speculative()
+    else:
+        (out, spec_seconds, stats), (ref, target_seconds) = speculative(), alone()
     width = inputs["input_ids"].shape[1]
     tokens = new_tokens(ref, width, eos, pad)
     return {"rows": len(tokens), "new_tokens": sum(tokens), "target_seconds": target_seconds, "spec_seconds": spec_seconds,
-            "same_as_target": bool(torch.equal(ref, out)), "forwards": stats.forwards if stats.batch_size > 1 else len(stats.accept_lengths),
+            "same_as_target": bool(torch.equal(ref, out)), "costs": stats.costs, "forwards": stats.forwards if stats.batch_size > 1 else len(stats.accept_lengths),
             "spec_new_tokens": stats.new_tokens, "row_acceptance": [sum(r) / max(len(r), 1) for r in stats.row_accept_lengths]
             if stats.batch_size > 1 else [stats.mean_acceptance_length], "proposers": dict(stats.per_proposer)}
 
@@ -87,10 +102,10 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| set | batch | target tok/s | plain call tok/s | speedup | tokens / forward | mean row acceptance | same as target | row steps (proposer) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | batch | rule | target tok/s | plain call tok/s | speedup | tokens / forward | mean row acceptance | same as target | row steps (proposer) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['batch_size']} | {r['target_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
+        lines.append(f"| {r['set']} | {r['batch_size']} | {r.get('rule', 'rule')} | {r['target_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['tokens_per_forward']:.2f} | {r['row_acceptance_mean']:.2f} | {r['all_same_as_target']} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(r['row_steps_by_proposer'].items()))} |")
     return "\n".join(lines) + "\n"
@@ -103,14 +118,15 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     sets = list(dict.fromkeys(r["set"] for r in rows))
-    sizes = sorted({r["batch_size"] for r in rows})
+    sizes = sorted({(r["batch_size"], r.get("rule", "rule")) for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / len(sizes)
-    for k, size in enumerate(sizes):
+    for k, (size, rule) in enumerate(sizes):
         xs = [i + k * width for i in range(len(sets))]
-        by_set = {r["set"]: r for r in rows if r["batch_size"] == size}
-        axes[0].bar(xs, [by_set[s]["speedup"] if s in by_set else 0 for s in sets], width, label=f"batch {size}")
-        axes[1].bar(xs, [by_set[s]["spec_tok_s"] if s in by_set else 0 for s in sets], width, label=f"batch {size}")
+        by_set = {r["set"]: r for r in rows if (r["batch_size"], r.get("rule", "rule")) == (size, rule)}
+        label = f"batch {size}" + ("" if rule == "rule" else f", {rule}")
+        axes[0].bar(xs, [by_set[s]["speedup"] if s in by_set else 0 for s in sets], width, label=label)
+        axes[1].bar(xs, [by_set[s]["spec_tok_s"] if s in by_set else 0 for s in sets], width, label=label)
     for ax, title in zip(axes, ("plain call / target's batched generate (wall clock)", "plain call throughput, tok/s")):
         ax.set_xticks([i + width * (len(sizes) - 1) / 2 for i in range(len(sets))], sets)
         ax.set_title(title, fontsize=9)
@@ -126,6 +142,7 @@ def benchmark_batches(args, target, tokenizer, drafter) -> list[dict]:
     eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     gen_kw = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+    own = drafter.config.hybrid_ngram
     rows = []
     for name in args.prompt_sets:
         records = load_prompt_set(name)[: args.limit]
@@ -133,10 +150,16 @@ def benchmark_batches(args, target, tokenizer, drafter) -> list[dict]:
             batches = [records[i : i + size] for i in range(0, len(records) - size + 1, size)]
             if not batches:
                 raise SystemExit(f"--limit {args.limit} gives no full batch of {size}: raise --limit to at least {size}")
-            run_batch(target, drafter, left_padded(tokenizer, batches[0]), {**gen_kw, "max_new_tokens": 8}, eos, pad)  # warm-up
-            runs = [run_batch(target, drafter, left_padded(tokenizer, b), gen_kw, eos, pad)
-                    for b in tqdm(batches, desc=f"{name} batch {size}", unit="batch")]
-            rows.append({"set": name, "batch_size": size, **summarize(runs), "runs": runs})
+            for rule in args.batch_rules:
+                drafter.config.hybrid_ngram = own if rule == "rule" else {**(own or {}), "costs": FORCED_COSTS[rule]}
+                try:
+                    run_batch(target, drafter, left_padded(tokenizer, batches[0]), {**gen_kw, "max_new_tokens": 8}, eos, pad)  # warm-up
+                    runs = [run_batch(target, drafter, left_padded(tokenizer, b), gen_kw, eos, pad, target_first=k % 2 == 0)
+                            for k, b in enumerate(tqdm(batches, desc=f"{name} batch {size} ({rule})", unit="batch"))]
+                finally:
+                    drafter.config.hybrid_ngram = own
+                rows.append({"set": name, "batch_size": size, "rule": rule, **summarize(runs), "costs": runs[0]["costs"],
+                             "runs": runs})
     return rows
 
 

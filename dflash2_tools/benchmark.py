@@ -395,6 +395,9 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", nargs="*", type=int, default=[],
                     help="batches instead of methods: the target's batched generate against the plain call, per batch size "
                          "(bench_batch.py; greedy, the first of --dtypes)")
+    ap.add_argument("--batch-rules", nargs="+", default=["rule"], choices=["rule", "longest", "plain"],
+                    help="with --batch-sizes: the drafter's own rule, and forced extremes to check it against (every step "
+                         "verifies the longest proposal / plain batched steps only)")
     args = ap.parse_args(argv)
     if args.batch_sizes:
         from .bench_batch import benchmark_batches, write

@@ -139,6 +139,45 @@ def test_a_batch_measures_its_own_costs(accepting_batch, monkeypatch):
     assert runs[-1].costs["batch"]["per_token"] >= 0
 
 
+def test_the_benchmarks_forced_rules_force_what_they_say(accepting_batch, monkeypatch):
+    """``--batch-rules longest / plain`` (the extremes the rule is checked against): free costs verify drafts at
+    every step, prohibitive ones only plain batched steps; both stay equal to the target."""
+    from dflash2_tools.bench_batch import FORCED_COSTS
+
+    target, drafter, ids, mask = accepting_batch
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    steps = {}
+    for rule, costs in FORCED_COSTS.items():
+        monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": costs})
+        with root.generation().collect_stats() as runs:
+            out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12,
+                                  do_sample=False, pad_token_id=0)
+        assert torch.equal(out, ref), rule
+        steps[rule] = runs[-1].per_proposer
+    assert set(steps["plain"]) == {"none"}
+    assert steps["longest"].get("dflash2", {}).get("steps", 0) > 0
+    assert runs[-1].costs["source"] == "config"
+
+
+def test_a_batch_measurement_runs_over_a_context_and_repeats(accepting_batch, monkeypatch):
+    """A batch's costs come from at least BATCH_MIN_ROUNDS rounds over a context (one short round flipped the rule)."""
+    costs_module = root.costs_of(accepting_batch[1])
+    target, drafter, ids, _ = accepting_batch
+    calls = []
+    real_forward = type(target).forward
+
+    def counting_forward(self, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        calls.append(0 if cache is None else cache.get_seq_length())
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", counting_forward)
+    lm_head = drafter.draft_head(target.get_output_embeddings())
+    costs = costs_module.measure_step_costs(target, drafter, lm_head, torch.device("cpu"), rows=3)
+    assert calls.count(costs_module.BATCH_CONTEXT_TOKENS) >= 3 * costs_module.BATCH_MIN_ROUNDS  # 1, 2, n tokens per round
+    assert min(costs["multi_token_step"], costs["per_token"], costs["draft"]) >= 0
+
+
 def test_the_batch_verifies_what_its_slowest_row_can_use():
     """One length for the batch: where verification costs, a row with nothing to verify keeps the batch at a plain
     step (the batch waits for its slowest row); where it is free, the longest proposal is verified."""
@@ -151,7 +190,24 @@ def test_the_batch_verifies_what_its_slowest_row_can_use():
     assert bp.batch_length([good, nothing], [rule(cpu), rule(cpu)], cpu) == 0
     assert bp.batch_length([good, good], [rule(cpu), rule(cpu)], cpu) > 0
     assert bp.batch_length([good, nothing], [rule(free), rule(free)], free) == 6
-    assert bp.worth_drafting([True, False], [False, True]) and not bp.worth_drafting([True, False], [False, False])
+
+
+def test_the_batch_drafts_only_when_its_slowest_row_gains():
+    """Before drafting, the batch is valued like a step (``batch_length``): by the row that gains least, the draft's
+    own forward included. A weak drafter next to strong n-gram continuations does not run; a good one does where
+    verification is free, and nothing runs at prohibitive costs."""
+    bp, ngram = root.batch_proposer(), root.ngram_of(tiny_drafter())
+    match = ngram.NgramMatch([5, 6, 7, 8, 9, 10], 3)
+    rule = lambda acceptance, costs: ngram.HybridRule([0.0, 0.5, 0.7, 0.9], 1.0, 0.0, acceptance, costs)  # noqa: E731
+    free = ngram.StepCosts(**FREE_COSTS)
+    cpu = bp.batch_step_costs(ngram.StepCosts(**CPU_FP32_COSTS), 2)
+    costly = ngram.StepCosts(multi_token_step=10.0, per_token=10.0, draft=10.0)
+    strong = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    weak = [0.05] * 7
+    assert bp.draft_pays([rule(strong, free)] * 2, [match, None], [7, 7], free)  # the row without a match gains
+    assert not bp.draft_pays([rule(weak, cpu)] * 2, [match, match], [7, 7], cpu)  # both rows are served by their n-gram
+    assert not bp.draft_pays([rule(strong, costly)] * 2, [None, None], [7, 7], costly)
+    assert not bp.draft_pays([rule(strong, free)] * 2, [None, None], [0, 0], free)  # nothing may be drafted
 
 
 def test_batched_refusals_name_the_fix(accepting_batch):
