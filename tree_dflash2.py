@@ -33,7 +33,6 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 
-
 @dataclass
 class TokenTree:
     """Node 0 is the root (the last committed token); parents precede their children."""
@@ -323,6 +322,3 @@ def refuse_unsupported(target, generation_config, cache=None) -> None:
     if problem is not None:
         raise ValueError(f"tree verification (drafter.config.tree_budget) cannot run here: {problem}. "
                          "Set drafter.config.tree_budget = None (one path) for this call.")
-
-
-# Attention backends that take an arbitrary (tree) mask; a flash kernel reads a 4D mask as a padding mask.
