@@ -7,8 +7,8 @@ are written at the same slots for every row; slots a row does not keep become ho
     1. propose, per row: that row's hybrid rule (its own history, the batch's costs) picks its block draft, its
        n-gram continuation or nothing; ONE drafter forward drafts for every row (``batch_proposer_dflash2``)
     2. verify: ONE target forward over [rows, 1 + L] (L: the length the batch's cost model keeps)
-    3. accept, per row: greedy takes the target's argmax (one transfer for the batch), sampling the single-row walk
-       (``tree_dflash2.walk``: min(1, p/q) for drafted tokens, exact for n-gram ones); EOS and length per row
+    3. accept, per row: the target's choice after every node of every row (argmax, or an exact draw: min(1, p/q) for
+       drafted tokens; ``accept_dflash2``), ONE transfer for the batch, then each row's walk; EOS and length per row
     4. commit: the slots no row kept are cropped, the rest of the step's slots become holes where a row did not
        keep them; a finished row leaves the batch (its cache rows are dropped)
 
@@ -21,16 +21,17 @@ could not continue a generation.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .accept_dflash2 import target_choices, walk
 from .attention_dflash2 import verification_attention
 from .batch_proposer_dflash2 import BatchProposer
 from .holes_dflash2 import compact, crop_tail, kept_mask, positions_from_mask, select_rows, should_compact
 from .loop_dflash2 import chain_tree
-from .tree_dflash2 import processed_logits, walk
 
 MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")  # kernels that take a 2D mask with holes
 
@@ -75,17 +76,13 @@ def as_row(fn, ids: list[int], row: int, rows: int, device, scores: torch.Tensor
     return fn(batch_ids, scores[None].expand(rows, -1).clone())[row]  # [V]
 
 
-def accept_row(logits, proposal, anchor: int, prefix: list[int], row: int, rows: int, logits_processor, do_sample: bool, device):
-    """(accepted tokens, bonus token, node -> processed logits) of one row from its verification logits [1 + L, V]."""
-    tree = chain_tree(anchor, proposal.tokens)
-    process = None
-    if len(logits_processor):  # processors see the node's own prefix after the row's sequence
-        def process(path, row_logits):
-            return as_row(logits_processor, prefix + path, row, rows, device, row_logits)
-    node_logits = processed_logits(tree, logits, process)
-    log_q = proposal.log_q
-    path, bonus = walk(tree, node_logits, do_sample, proposal=None if log_q is None else log_q.__getitem__)
-    return [tree.tokens[i] for i in path[1:]], bonus, node_logits
+def process_chain(logits: torch.Tensor, tree, prefix: list[int], row: int, rows: int, logits_processor, device) -> torch.Tensor:
+    """Processed logits [N, V] of one row's chain (``logits`` [N, V]): node k's processors see the row's sequence
+    ``prefix`` and the chain's first k tokens, through ``as_row``."""
+    if not len(logits_processor):
+        return logits
+    return torch.stack([as_row(logits_processor, prefix + tree.tokens[1 : k + 1], row, rows, device, logits[k])
+                        for k in range(len(tree))])  # [N, V]
 
 
 @torch.no_grad()
@@ -168,23 +165,29 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
                          past_key_values=cache, use_cache=True, output_hidden_states=layers)
         logits = out.logits.float()  # [b, 1 + L, V]
 
-        # 3. accept, per row
-        best = logits.argmax(-1).tolist() if greedy_argmax else None  # ONE transfer for the batch
+        # 3. accept, per row, from the target's choice after every node: ONE transfer for the batch
+        trees = [chain_tree(a, p.tokens) for a, p in zip(anchors, proposals)]
+        if greedy_argmax:
+            node_logits = logits  # [b, 1 + L, V]
+            choices = logits.argmax(-1).tolist()  # [b][1 + L]
+        else:
+            node_logits = [process_chain(logits[i, : len(tree)], tree, host_ids[r] + generated[r], r, rows, logits_processor,
+                                         device) for i, (r, tree) in enumerate(zip(active, trees))]  # b x [N_i, V]
+            drawn = torch.cat([target_choices(tree, row_logits, do_sample, p.log_q)
+                               for tree, row_logits, p in zip(trees, node_logits, proposals)]).tolist()
+            ends = list(itertools.accumulate(len(tree) for tree in trees))
+            choices = [drawn[end - len(tree): end] for tree, end in zip(trees, ends)]
         new, kept = [], []
-        for i, (r, proposal) in enumerate(zip(active, proposals)):
-            if best is not None:
-                n = next((k for k, t in enumerate(proposal.tokens) if t != best[i][k]), len(proposal.tokens))
-                accepted, bonus, node_logits = proposal.tokens[:n], best[i][n], logits[i].__getitem__
-            else:
-                accepted, bonus, node_logits = accept_row(logits[i], proposal, anchors[i], host_ids[r] + generated[r], r,
-                                                          rows, logits_processor, do_sample, device)
+        for i, (r, tree) in enumerate(zip(active, trees)):
+            path, bonus = walk(tree, choices[i])
+            accepted = [tree.tokens[k] for k in path[1:]]
             row_new = (accepted + [bonus])[: max(1, generation_config.max_length - prompt_length - len(generated[r]))]
             cut = next((k for k, t in enumerate(row_new) if t in eos), None)
             row_new = row_new if cut is None else row_new[: cut + 1]
             new.append(row_new)
             kept.append(len(row_new))  # the anchor and the accepted nodes whose successors are committed
             if want_scores:
-                row_scores[r] += [node_logits(k) for k in range(len(row_new))]
+                row_scores[r] += [node_logits[i][k] for k in range(len(row_new))]
             if want_logits:
                 row_raw[r] += [logits[i, k] for k in range(len(row_new))]
         proposer.record(proposals, [k - 1 for k in kept])

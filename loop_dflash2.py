@@ -5,7 +5,8 @@ A step, after the prefill (batch size 1):
     1. propose: a chain (the hybrid rule's choice: block draft, n-gram continuation, or nothing) or a tree
        (the block's top-K lattice plus the n-gram branch) -- a chain is a tree with one child per node
     2. verify: ONE target forward over [anchor] + nodes, each node at position past + depth
-    3. accept: walk from the root (``tree_dflash2.walk``): greedy argmax, or exact sampling
+    3. accept: the target's choice after every node in one transfer, a walk from the root on the host
+       (``accept_dflash2``): greedy argmax, or exact sampling
     4. commit: the accepted tokens and the bonus token; the cache keeps the accepted nodes only
        (tail-only work); their hidden states become the drafter's next context features
 
@@ -18,6 +19,8 @@ Two ways to verify, picked once per call:
   rule: a static cache on an accelerator, or ``compile_config`` with ``_compile_all_devices``) every
   verification forward is padded to the next power of two (masked rows), so a handful of graphs (1, 2, 4, ...
   rows) serves the whole call, and a plain step does not pay for a full block (a CPU is compute-bound).
+  On a static target cache the drafter's context K/V are preallocated as well, and when the target is compiled
+  so is the drafter step (``DFlash2Proposer.preallocate``: its new context padded to a block, one graph).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import time
 import torch
 from transformers.cache_utils import StaticLayer
 
-from .proposer_dflash2 import DFlash2Proposer
+from .accept_dflash2 import accept
 from .attention_dflash2 import verification_attention
-from .tree_dflash2 import (add_branch, keep_cache_entries, processed_logits, refuse_unsupported, root_tree,
-                           static_cache_length, tree_attention_mask, walk)
+from .proposer_dflash2 import DFlash2Proposer
+from .tree_dflash2 import (add_branch, keep_cache_entries, refuse_unsupported, root_tree, static_cache_length,
+                           tree_attention_mask)
 
 
 def refuse_unsupported_call(target, input_ids, generation_config, cache, budget: int) -> None:
@@ -105,7 +109,10 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
     if compiled:
         reserve_verification_slots(cache, generation_config, rows)
         slots = static_cache_length(cache)
-        verify_compiled = target.get_compiled_call(generation_config.compile_config)
+        compile_config = generation_config.compile_config or target._default_compile_config()  # what the target gets
+        verify_compiled = target.get_compiled_call(compile_config)
+    if slots is not None:  # the drafter's context K/V preallocated too; its step compiled with the target's forward
+        proposer.preallocate(generation_config.max_length, compile_config if compiled else None)
     if own_masks:
         cache.activate_past_recording()  # sliding-window and linear-attention layers keep what a crop may need
     do_sample = bool(generation_config.do_sample)
@@ -179,19 +186,13 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
                     input_ids=torch.tensor([tokens], device=device), position_ids=positions[None],
                     attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype, slots, n_rows),
                     past_key_values=cache, use_cache=True, output_hidden_states=layers)
-        node_raw = out.logits[0].float()  # [rows, V]
+        node_raw = out.logits[0, : len(tree)].float()  # [N, V]: the padding rows' logits go
         if padded:
             node_raw = node_raw.clone()  # a CUDA-graph replay reuses its output memory at the next step
-        process = None
-        if len(logits_processor):  # processors see the node's own prefix after the committed sequence
-            def process(prefix, row, ids=input_ids):
-                ids = torch.cat([ids, torch.tensor([prefix], dtype=ids.dtype, device=device)], 1)  # [1, T + depth]
-                return logits_processor(ids, row[None].clone())[0]
-        node_logits = processed_logits(tree, node_raw, process)
 
-        # 3. accept
+        # 3. accept: the target's choice after every node, one transfer, a walk on the host
         log_q = None if path is None else path.log_q  # [L, V]: the chain's tokens were sampled from the drafter
-        path_nodes, bonus = walk(tree, node_logits, do_sample, proposal=None if log_q is None else log_q.__getitem__)
+        path_nodes, bonus, node_logits = accept(tree, node_raw, input_ids, logits_processor, do_sample, log_q)
         new = [tree.tokens[i] for i in path_nodes[1:]] + [bonus]
         new = new[: max(room, 1)]
         cut = next((k for k, t in enumerate(new) if t in eos), None)
@@ -211,7 +212,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         proposer.pending_features.append(proposer.node_features(out.hidden_states, keep))
         proposer.record(n_matches, path, tree if budget else None)
         if scores is not None:
-            scores += tuple(node_logits(i)[None] for i in keep)
+            scores += tuple(node_logits[i][None] for i in keep)
         if raw_logits is not None:
             raw_logits += tuple(node_raw[i][None] for i in keep)
     if streamer is not None:

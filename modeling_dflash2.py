@@ -144,10 +144,12 @@ def block_attention_mask(
     key_padding_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     causal: bool = False,
+    fixed: bool = False,
 ) -> torch.Tensor | None:
     """Inference mask: block queries see every key (context and the whole block), minus padding and
     keys that fell out of the sliding window, and (``causal``) block keys after the query. Returns
-    ``None`` when nothing is masked.
+    ``None`` when nothing is masked, unless ``fixed`` (a compiled step: always a mask, decided without
+    reading the data on the host).
 
     query_positions [b, q], key_positions [b, kv], key_padding_mask [b, kv] (1 = real token).
     """
@@ -157,10 +159,10 @@ def block_attention_mask(
         mask = distance < sliding_window
     if causal:
         mask = distance >= 0 if mask is None else mask & (distance >= 0)
-    if key_padding_mask is not None and not bool(key_padding_mask.all()):
+    if key_padding_mask is not None and (fixed or not bool(key_padding_mask.all())):
         pad = key_padding_mask.bool()[:, None, :]  # [b, 1, kv]
         mask = pad if mask is None else mask & pad
-    if mask is None or bool(mask.all()):
+    if mask is None or (not fixed and bool(mask.all())):
         return None
     return mask[:, None].expand(-1, 1, query_positions.shape[1], -1)  # [b, 1, q, kv]
 
@@ -539,6 +541,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
         block_size: int | None = None,
+        key_positions: torch.LongTensor | None = None,
         **kwargs,
     ) -> DFlash2Output:
         """
@@ -547,6 +550,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         position_ids: [b, c+q] true positions of those context tokens, then of the block tokens.
         attention_mask: 2D [b, past+c+q] padding mask, or a ready 4D mask [b, 1, q, kv] (training).
         block_size: conv block length (defaults to config.block_size; q must be a multiple of it).
+        key_positions: [b, kv] the position of the token in every slot of a preallocated (static) cache, whose
+            slots are not "every committed token, then the block"; ``attention_mask`` [b, kv] then marks the
+            slots that hold a token. The mask is then built without host reads (a compiled step).
         """
         b, q_len, _ = noise_embeds.shape
         block_size = block_size or self.config.block_size
@@ -570,12 +576,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             if attention_mask is not None and attention_mask.dim() == 4:
                 mask_by_type[layer_type] = attention_mask
                 continue
+            window = self.config.sliding_window if layer_type == "sliding_attention" else None
+            if key_positions is not None:  # a preallocated cache: the caller says what each slot holds
+                mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], key_positions, attention_mask, window,
+                                                                self.config.is_causal, fixed=True)
+                continue
             kv_len = past_len + c_len + q_len
             # keys are every committed token then the block, contiguous up to the block's end
-            key_positions = position_ids[:, -1:] - kv_len + 1 + torch.arange(kv_len, device=position_ids.device)  # [b, kv]
+            slot_positions = position_ids[:, -1:] - kv_len + 1 + torch.arange(kv_len, device=position_ids.device)  # [b, kv]
             padding = attention_mask[:, -kv_len:] if attention_mask is not None else None
-            window = self.config.sliding_window if layer_type == "sliding_attention" else None
-            mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], key_positions, padding, window, self.config.is_causal)
+            mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], slot_positions, padding, window, self.config.is_causal)
 
         hidden_states = noise_embeds
         for layer_idx, layer in enumerate(self.layers):

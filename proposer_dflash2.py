@@ -51,6 +51,17 @@ def context_features(hidden_states, layer_ids: list[int], n_tokens: int, reducti
     return torch.cat([reduce_streams(hidden_states[l + 1][:, :n_tokens], reduction).to(device) for l in layer_ids], dim=-1)
 
 
+def compiled_call(model, compile_config):
+    """``torch.compile`` of ``model.__call__`` under transformers' ``CompileConfig``, made once per model and config
+    (kept on the model, as ``PreTrainedModel.get_compiled_call`` does, so later calls reuse the compiled graphs)."""
+    options = compile_config.to_dict()
+    cached = getattr(model, "_dflash2_compiled_call", None)
+    if cached is None or cached[0] != options:
+        cached = (options, torch.compile(model.__call__, **options))
+        model._dflash2_compiled_call = cached
+    return cached[1]
+
+
 # ---- drafting ------------------------------------------------------------------------------------------------
 
 
@@ -174,6 +185,8 @@ class DFlash2Proposer:
                                settings["drafter_acceptance"], StepCosts(**rule_costs(costs)))
         self.trace = TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
         self.cache = DynamicCache()  # context K/V only; full layers (the sliding window is applied by the mask)
+        self.slots = None  # a preallocated (static) drafter cache's slots (``preallocate``), else None
+        self.compiled_step = None
         self.committed = 0  # tokens whose target features are in the drafter cache
         self.pending_features = []  # [1, n, n*H] features of committed tokens not yet in it (steps the drafter skipped)
         self.stats = DFlash2Stats(block_size=self.config.block_size, costs={**costs, "source": source})
@@ -187,6 +200,19 @@ class DFlash2Proposer:
 
     # ---- drafting ----------------------------------------------------------------------------------------------
 
+    def preallocate(self, max_length: int, compile_config=None) -> None:
+        """Preallocate the drafter's context K/V (a static cache of every token the call may commit, plus one step's
+        context rows and block); with ``compile_config``, drafter steps of up to ``context_rows`` new context tokens
+        run through ONE compiled graph: their context is padded to that many rows (masked slots, overwritten later)."""
+        from transformers.cache_utils import Cache, StaticLayer
+
+        block = self.config.block_size
+        self.context_rows = block  # a step commits at most a block (the accepted tokens and the bonus)
+        self.slots = max_length + self.context_rows + block
+        self.cache = Cache(layers=[StaticLayer(max_cache_len=self.slots) for _ in range(self.config.num_hidden_layers)])
+        self.slot_ids = torch.arange(self.slots, device=self.device)  # [S]
+        self.compiled_step = None if compile_config is None else compiled_call(self.drafter, compile_config)
+
     def draft_hidden(self, input_ids, attention_mask=None) -> torch.Tensor:
         """The drafter's hiddens [1, B-1, H] at the block's drafted positions, anchored at ``input_ids[:, -1]``;
         the pending context features enter the drafter cache, the block's K/V are cropped back off."""
@@ -195,6 +221,8 @@ class DFlash2Proposer:
         self.pending_features = []
         n_new = features.shape[1]
         block_ids = torch.cat([input_ids[:, -1:], input_ids.new_full((1, block - 1), self.config.mask_token_id)], dim=1)
+        if self.slots is not None:
+            return self._draft_hidden_static(features, block_ids, attention_mask)
         position_ids = torch.arange(self.committed, self.committed + n_new + block, device=input_ids.device)[None]
         mask = attention_mask
         if mask is not None:
@@ -209,6 +237,32 @@ class DFlash2Proposer:
         self.cache.crop(-block)  # keep the context K/V only
         self.committed += n_new
         return out.last_hidden_state[:, 1:]  # [1, B-1, H]
+
+    def _draft_hidden_static(self, features, block_ids, attention_mask) -> torch.Tensor:
+        """``draft_hidden`` on the preallocated cache. Slots after the step: [0, start) the committed context,
+        [start, start + c) the new context (n_new real rows, then padding), [start + c, start + c + B) the block;
+        the cache's length is then set back to start + n_new, so padding and block are overwritten next step."""
+        block, start, n_new = self.config.block_size, self.committed, features.shape[1]
+        fixed = self.compiled_step is not None and n_new <= self.context_rows  # the compiled graph's shapes
+        c = self.context_rows if fixed else n_new
+        end = start + n_new  # tokens in the drafter's context after this step
+        features = torch.nn.functional.pad(features, (0, 0, 0, c - n_new))  # [1, c, n*H]: padding rows at the end
+        block_positions = end + self.slot_ids[:block]  # [B]: the block follows the last real context token
+        position_ids = torch.cat([start + self.slot_ids[:c], block_positions])[None]  # [1, c + B]
+        key_positions = self.slot_ids.clone()  # [S]: context slot s holds position s
+        key_positions[start + c : start + c + block] = block_positions
+        slot_mask = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [S] 1 = the slot holds a token
+        slot_mask[:end] = 1 if attention_mask is None else attention_mask[0, :end].to(self.device)
+        slot_mask[start + c : start + c + block] = 1
+        out = (self.compiled_step if fixed else self.drafter)(
+            noise_embeds=self.drafter.embed_block(self.embed_tokens, block_ids), context_hidden_states=features,
+            position_ids=position_ids, attention_mask=slot_mask[None], key_positions=key_positions[None],
+            past_key_values=self.cache)
+        hidden = out.last_hidden_state[:, 1:].clone()  # [1, B-1, H] (a CUDA-graph replay reuses its output memory)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(end)  # in place: the compiled graph keeps reading the same tensor
+        self.committed = end
+        return hidden
 
     def draft_path(self, input_ids, attention_mask, n_draft: int) -> Draft:
         """The block draft's first ``n_draft`` tokens (the selector's path) from the anchor ``input_ids[:, -1]``."""

@@ -9,14 +9,9 @@ One step (batch size 1), after the prefill:
        kept, and the n-gram continuation (hybrid drafting) joins as one more branch
     3. verify: one target forward over the nodes; each node sees the cache and its own
        ancestors (tree mask), its position is the anchor's plus its depth
-    4. accept, walking from the root: draw the target's next token x ~ p (processed logits) by
-       checking the node's children first: child c is x with probability p'(c) = p(c) / (mass
-       left), else p'(c) <- 0 and the next child is checked; if none is x, x ~ p' (what is left).
-       That IS a draw from p (exact for any candidate set); greedy takes x = argmax p. A child
-       equal to x continues the walk; otherwise x is the bonus token and the step ends. A node whose
-       one child was SAMPLED from a known q (a chain drafted at temperature > 0) takes the classic
-       rule instead: accept w.p. min(1, p(c) / q(c)), else x ~ norm(max(p - q, 0)) -- also exact,
-       and it accepts more often when q is close to p
+    4. accept (``accept_dflash2``): the target's choice after every node, drawn at once on the device and
+       moved to the host in one transfer; walking from the root, a child equal to the node's choice continues
+       the walk, otherwise the choice is the bonus token (exact for any candidate set: x ~ p at each visited node)
     5. commit: the cache keeps the K/V of the accepted path only, in order; the accepted
        nodes' hidden states are the drafter's next context features
 
@@ -185,76 +180,6 @@ def keep_cache_entries(cache, past: int, keep: list[int]) -> None:
             layer.cumulative_length.fill_(end)
         else:
             layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-
-
-def processed_logits(tree: TokenTree, raw: torch.Tensor, process):
-    """``node_logits`` for ``walk``: node i's logits [V] from the verification logits ``raw`` [nodes, V], through
-    ``process(prefix, logits)`` (the logits processors; None: the raw row), where ``prefix`` is the list of tree
-    tokens from the root's child down to node i -- what a processor sees after the committed sequence. Memoised:
-    the walk and the returned scores ask for the same nodes."""
-    done = {}
-
-    def node_logits(i: int) -> torch.Tensor:
-        if i not in done:
-            if process is None:
-                done[i] = raw[i]
-            else:
-                prefix, j = [], i
-                while j > 0:
-                    prefix.append(tree.tokens[j])
-                    j = tree.parents[j]
-                done[i] = process(prefix[::-1], raw[i])
-        return done[i]
-
-    return node_logits
-
-
-def walk(tree: TokenTree, node_logits, do_sample: bool, generator=None, proposal=None) -> tuple[list[int], int]:
-    """Accepted path (node ids from the root) and the bonus token.
-
-    node_logits(i) -> [V] processed logits of node i (computed only for nodes the walk visits).
-    proposal(i) -> [V] log q the ONE child of node i was sampled from, or None (deterministic children).
-    """
-    path, node = [0], 0
-    while True:
-        logits = node_logits(node)
-        children = tree.children[node]
-        if not do_sample:
-            x = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits.float(), dim=-1)
-            log_q = proposal(node) if proposal is not None and len(children) == 1 else None
-            x = _draw_against_q(probs, tree.tokens[children[0]], log_q, generator) if log_q is not None else \
-                _draw_checking_children(probs, [tree.tokens[c] for c in children], generator)
-        child = tree.child_with(node, x)
-        if child is None:
-            return path, x
-        path.append(child)
-        node = child
-
-
-def _draw_checking_children(probs: torch.Tensor, tokens: list[int], generator=None) -> int:
-    """x ~ probs, deciding the candidate tokens first (each one's chance given the ones before were not drawn)."""
-    probs = probs.clone()
-    for token in tokens:
-        mass = probs.sum()
-        if mass <= 0:
-            break
-        if torch.rand((), generator=generator, device=probs.device) * mass < probs[token]:
-            return token
-        probs[token] = 0.0
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-
-
-def _draw_against_q(probs: torch.Tensor, token: int, log_q: torch.Tensor, generator=None) -> int:
-    """Speculative sampling of one token drawn from q: keep it w.p. min(1, p/q), else x ~ norm(max(p - q, 0))."""
-    q = torch.softmax(log_q.float(), dim=-1).to(probs.device)  # [V]
-    if torch.rand((), generator=generator, device=probs.device) * q[token] < probs[token]:
-        return token
-    residual = (probs - q).clamp_min(0)  # [V]
-    if residual.sum() <= 0:  # p == q: rejection had probability 0
-        return token
-    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
 # Tokens committed per step by a tree of N nodes over those of one path of the same drafter (greedy, the shipped

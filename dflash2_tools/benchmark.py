@@ -26,7 +26,8 @@ own ``generate``:
   continuation as one more branch
 * ``target-static-compiled`` / ``dflash2+ngram-static-compiled``: like with like, the target alone and the plain
   call both on a static cache of one length for the whole run, both through ``torch.compile`` (inductor; on a CPU
-  via ``compile_config._compile_all_devices``); the compile time is the warm-up call's, reported apart
+  via ``compile_config._compile_all_devices``); the compile time is the warm-up's, reported apart (the compiled
+  methods warm up on every set's first prompt at full length too, so that no timed prompt compiles)
 * ``llama.cpp``, ``llama.cpp+dflash2``, ``llama.cpp+ngram`` (greedy only; llama.cpp built by
   ``python -m dflash2_tools.llamacpp build``): the target's Q4_1 GGUF in llama.cpp, alone
   (``llama-bench`` decoding 128 tokens at the prompt's depth), with this drafter converted by
@@ -232,10 +233,18 @@ def benchmark(args):
         warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
         longest = max(len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for v in sets.values() for r in v)
         cache_length = -(-(longest + args.max_new_tokens + 64) // 128) * 128  # one static shape for every prompt of the run
+        # compiled methods warm up on every set's first prompt at full length too: a 16-token call does not reach every
+        # verification size the loop compiles (row buckets 1, 2, 4, ...) nor every guard, and compiling inside a timed
+        # prompt is what a deployment's warm-up avoids
+        long_warm = [tokenizer.apply_chat_template(v[0]["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+                     for v in sets.values() if v]
         for method in methods:  # warm-up every path once (llama.cpp runs in its own process); compiles the compiled ones
             if method not in LLAMACPP_METHODS:
                 t0 = time.perf_counter()
                 run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget, cache_length)
+                for inputs in long_warm if method.endswith(STATIC_COMPILED) else []:
+                    run_method(method, target, drafter, inputs, dict(do_sample=False, max_new_tokens=args.max_new_tokens), counter,
+                               args.tree_budget, cache_length)
                 warmups[(dtype_name, method)] = time.perf_counter() - t0
         total = sum(len(v) for v in sets.values()) * len(args.temperatures)
         bar = tqdm(total=total, desc=f"benchmark {dtype_name}", unit="prompt")
@@ -297,7 +306,7 @@ def summarize(results):
             "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
             "per_proposer": {k: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)} for k, c in proposers.items()},
             "modes": sorted({r["mode"] for r in rs if r.get("mode")}),  # linear / tree-N: what tree_budget="auto" chose
-            "warmup_seconds": rs[0].get("warmup_seconds"),  # first call (16 tokens): includes compilation where compiled
+            "warmup_seconds": rs[0].get("warmup_seconds"),  # the warm-up calls: include compilation where compiled
             **{k: statistics.median(r[k] for r in rs) for k in ("step_ms", "step_target_forward_ms", "step_draft_ms", "step_overhead_ms")},
         })
     return rows

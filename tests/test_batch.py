@@ -285,12 +285,12 @@ def test_a_batched_verifier_that_ignores_q_fails(sampling_setup, monkeypatch):
     target, drafter, ids, mask = sampling_setup
     monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS})
 
-    def ignores_q(probs, token, log_q, generator=None):
-        if torch.rand((), generator=generator) < probs[token]:
-            return token
-        return int(torch.multinomial(probs, 1, generator=generator))
+    def ignores_q(p, children, q, generator=None):
+        # accept a draft with probability p(draft), else resample from p: the proposal q is never used
+        keep = torch.rand(children.shape, generator=generator) < p.gather(1, children[:, None])[:, 0]
+        return torch.where(keep, children, torch.multinomial(p, 1, generator=generator)[:, 0])
 
-    monkeypatch.setattr(root.tree(), "_draw_against_q", ignores_q)
+    monkeypatch.setattr(root.accept(), "_draws_against_q", ignores_q)
     counts = _batched_counts(target, drafter, ids, mask, dict(temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0), SAMPLES)
     rejected = [chi_square_p_value(c, exact_joint(target, torch.tensor([p]), _processors(1.0, 1.0, 1.0)), SAMPLES) < 1e-3
                 for p, c in zip(PROMPTS, counts)]

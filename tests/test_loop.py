@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
+from conftest import root, tiny_drafter, tiny_target
 from dflash2_tools.benchmark import compile_on_any_device
 
 
@@ -72,3 +72,37 @@ def test_what_no_mode_serves_is_refused_before_any_forward(gen_module):
     with pytest.raises(ValueError, match="dynamic cache"):
         stateful.generate(torch.tensor([[3, 5, 7]]), assistant_model=glm_drafter, max_new_tokens=4, cache_implementation="static",
                           pad_token_id=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_preallocated_drafter_step_equals_the_dynamic_one(compiled):
+    """The drafter's context K/V in a preallocated cache (and its step compiled, new context padded to a block): the
+    same block hiddens as the growing dynamic cache, step after step, with 1..B and more new context tokens per step
+    (more than a block runs eagerly), a sliding-window layer and an odd block; the compiled step is ONE graph."""
+    from transformers import GenerationConfig
+
+    from dflash2_tools.benchmark import compile_on_any_device
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           sliding_window=9)
+    proposer_module = root.proposer_of(drafter)
+    config = GenerationConfig(do_sample=False, max_length=64, pad_token_id=0)
+    dynamic = proposer_module.DFlash2Proposer(target, drafter, config)
+    static = proposer_module.DFlash2Proposer(target, drafter, config)
+    static.preallocate(64, compile_on_any_device() if compiled else None)
+    torch._dynamo.reset()
+    before = graphs_compiled()
+    width = drafter.fc.in_features
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (1, 11), generator=g)
+    for n_new in (11, 1, 4, 5, 2, 7, 3, 1):  # the prompt, then what steps commit (7 > a block: eager)
+        features = torch.randn(1, n_new, width, generator=g)
+        ids = ids if n_new == 11 else torch.cat([ids, torch.randint(1, 50, (1, n_new), generator=g)], dim=1)
+        dynamic.pending_features, static.pending_features = [features], [features]
+        expected = dynamic.draft_hidden(ids)
+        got = static.draft_hidden(ids)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert static.committed == dynamic.committed == ids.shape[1]
+    if compiled:
+        assert graphs_compiled() - before == 1  # one graph for every step of up to a block of new context

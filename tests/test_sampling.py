@@ -121,13 +121,12 @@ def test_speculative_sampling_matches_target_distribution(setup, monkeypatch, te
 def test_a_verifier_that_ignores_q_fails(setup, monkeypatch):
     """Evidence that the test above has power: drop q from the verifier and the same test rejects."""
     target, drafter, prompt = setup
-    def ignores_q(probs, token, log_q, generator=None):
+    def ignores_q(p, children, q, generator=None):
         # accept a draft with probability p(draft), else resample from p: the proposal q is never used
-        if torch.rand((), generator=generator) < probs[token]:
-            return token
-        return int(torch.multinomial(probs, 1, generator=generator))
+        keep = torch.rand(children.shape, generator=generator) < p.gather(1, children[:, None])[:, 0]
+        return torch.where(keep, children, torch.multinomial(p, 1, generator=generator)[:, 0])
 
-    monkeypatch.setattr(root.tree(), "_draw_against_q", ignores_q)  # the loop's rule for a token sampled from q
+    monkeypatch.setattr(root.accept(), "_draws_against_q", ignores_q)  # the loop's rule for a token sampled from q
     gen_kw = dict(temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
     expected = exact_joint(target, prompt, _processors(1.0, 1.0, 1.0))
     counts = _sample_counts(target, drafter, prompt, gen_kw, SAMPLES)

@@ -78,22 +78,23 @@ def test_cache_keeps_the_accepted_path_in_order(tree_module):
 
 
 def test_walk_draws_exactly_from_p_for_any_candidate_set(tree_module):
-    """x is checked against the children first, then drawn from what is left: the law of x is p."""
+    """One draw per node, made before the walk: the law of the root's next token (a child or the bonus) is p."""
+    accept = root.accept()
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
     tree = tree_module.root_tree(0)
     for token in (3, 4, 2):  # children that do not follow p's order
         tree.add(token, 0)
+    logits = p.log()[None].expand(len(tree), -1)  # [N, V]
     n = 6000
     counts = torch.zeros(5)
     for _ in range(n):
-        path, bonus = tree_module.walk(tree, lambda i: p.log(), do_sample=True, generator=g)
+        path, bonus = accept.walk(tree, accept.target_choices(tree, logits, True, generator=g).tolist())
         counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
     expected = {i: float(p[i]) for i in range(5)}
     assert chi_square_p_value({i: int(counts[i]) for i in range(5)}, expected, n) > 1e-3
 
-    def no_renormalisation(tree, node_logits, do_sample, generator=None):  # accept c w.p. p(c), not p(c)/mass left
-        probs = torch.softmax(node_logits(0), -1)
+    def no_renormalisation(tree, probs, generator=None):  # accept child c w.p. p(c), not p(c)/mass left
         for child in tree.children[0]:
             if torch.rand((), generator=generator) < probs[tree.tokens[child]]:
                 return [0, child], -1
@@ -101,9 +102,39 @@ def test_walk_draws_exactly_from_p_for_any_candidate_set(tree_module):
 
     counts = torch.zeros(5)
     for _ in range(n):
-        path, bonus = no_renormalisation(tree, lambda i: p.log(), True, g)
+        path, bonus = no_renormalisation(tree, p, g)
         counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
     assert chi_square_p_value({i: int(counts[i]) for i in range(5)}, expected, n) < 1e-3  # the test has power
+
+
+def test_the_walk_follows_the_choices_and_stops_at_the_first_miss(tree_module):
+    accept = root.accept()
+    tree = tree_module.root_tree(9)
+    a, b = tree.add(4, 0), tree.add(5, 0)
+    c = tree.add(6, b)
+    choices = [5, 0, 6, 8]  # per node: root -> 5 (node b), b -> 6 (node c), c -> 8 (no child: the bonus)
+    assert accept.walk(tree, choices) == ([0, b, c], 8)
+    assert accept.walk(tree, [7, 0, 0, 0]) == ([0], 7)
+    assert a == 1
+
+
+def test_processors_see_each_nodes_own_prefix_once_per_depth(tree_module):
+    """Nodes of one depth are processed in one call, each row with its own prefix after the committed ids."""
+    accept = root.accept()
+    tree = tree_module.root_tree(9)
+    a, b = tree.add(4, 0), tree.add(5, 0)
+    c = tree.add(6, b)
+    seen = []
+
+    class Record(list):
+        def __call__(self, ids, scores):  # a one-entry processor list
+            seen.append(ids.tolist())
+            return scores + ids[:, -1:].float()  # a processor that depends on the prefix
+
+    raw = torch.zeros(4, 10)
+    out = accept.process_nodes(tree, raw, torch.tensor([[1, 2]]), Record([0]))
+    assert seen == [[[1, 2]], [[1, 2, 4], [1, 2, 5]], [[1, 2, 5, 6]]]  # one call per depth
+    assert out[:, 0].tolist() == [2, 4, 5, 6] and out[c, 3] == 6 and out[a, 0] == 4
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +263,7 @@ def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
 HOST_TRANSFERS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
 
 
-def host_transfers_per_forward(target, drafter, ids, max_new_tokens, monkeypatch) -> float:
+def host_transfers_per_forward(target, drafter, ids, max_new_tokens, monkeypatch, **generate_kwargs) -> float:
     """Calls that move a tensor's value to the host (each a device sync on a GPU) per target forward, counted through
     the public call."""
     counts, forwards = [0], [0]
@@ -246,7 +277,7 @@ def host_transfers_per_forward(target, drafter, ids, max_new_tokens, monkeypatch
                 return _original(self, *a, **k)
 
             m.setattr(torch.Tensor, name, counted)
-        target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+        target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, **({"do_sample": False} | generate_kwargs))
     handle.remove()
     return counts[0] / forwards[0]
 
@@ -261,5 +292,20 @@ def test_tree_step_host_transfers_do_not_grow_with_the_budget(monkeypatch):
     for budget in (None, 8, 64):
         drafter = tiny_drafter(target, block_size=9, tree_budget=budget)
         per_forward[budget] = host_transfers_per_forward(target, drafter, ids, 40, monkeypatch)
+    assert all(count <= 24 for count in per_forward.values()), per_forward
+    assert abs(per_forward[64] - per_forward[8]) <= 3, per_forward
+
+
+def test_sampling_step_host_transfers_do_not_grow_with_the_budget(monkeypatch):
+    """Sampling with processors: every node's draw is made on the device and fetched in one transfer, and the
+    processors run once per depth, so the count per target forward does not grow with the budget either."""
+    target = tiny_target("llama")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    per_forward = {}
+    for budget in (None, 8, 64):
+        drafter = tiny_drafter(target, block_size=9, tree_budget=budget)
+        torch.manual_seed(0)
+        per_forward[budget] = host_transfers_per_forward(target, drafter, ids, 40, monkeypatch, do_sample=True,
+                                                         temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     assert all(count <= 24 for count in per_forward.values()), per_forward
     assert abs(per_forward[64] - per_forward[8]) <= 3, per_forward

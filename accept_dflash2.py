@@ -1,0 +1,93 @@
+"""Acceptance: the target's choice after every verified node in ONE host transfer, then a walk on the host.
+
+After a verification forward over a token tree (``tree_dflash2.TokenTree``; a chain is a tree with one child per node):
+
+    1. process: the logits processors see each node's own prefix after the committed sequence; nodes of one depth
+       share a prefix length, so they are processed in one call (calls per step <= the tree's depth, not its size)
+    2. choose, on the device, for EVERY node at once: greedy x_i = argmax p_i; sampling x_i ~ p_i; a node whose one
+       child c was SAMPLED from a known q (a chain drafted at temperature > 0) takes the speculative-sampling rule:
+       x_i = c w.p. min(1, p_i(c) / q_i(c)), else x_i ~ norm(max(p_i - q_i, 0))
+    3. move the choices to the host in one transfer, and walk from the root: a child equal to x_i continues the walk;
+       otherwise x_i is the bonus token and the step ends
+
+Why drawing at every node at once is exact: the walk reads node i's draw only when it reaches node i, and the draws
+are independent, so the path it takes has the law of drawing one token after another from the target (x ~ p given
+the path so far; the min(1, p/q) rule is the classic one, exact for a child drawn from q). Nodes the walk does not
+reach cost a draw that is thrown away -- compute, not a device sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def process_nodes(tree, raw: torch.Tensor, committed: torch.Tensor, logits_processor) -> torch.Tensor:
+    """Processed logits [N, V] of every node from the verification logits ``raw`` [N, V] (fp32).
+
+    ``committed`` [1, T]: the committed sequence; node i's processors see it followed by the tree tokens from the
+    root's child down to node i. ``logits_processor`` empty: the raw rows."""
+    if not len(logits_processor):
+        return raw
+    prefixes = [[] for _ in range(len(tree))]
+    for i in range(1, len(tree)):  # parents precede their children
+        prefixes[i] = prefixes[tree.parents[i]] + [tree.tokens[i]]
+    out = torch.empty_like(raw)
+    by_depth: dict[int, list[int]] = {}
+    for i, depth in enumerate(tree.depths):
+        by_depth.setdefault(depth, []).append(i)
+    for depth, nodes in by_depth.items():
+        tails = torch.tensor([prefixes[i] for i in nodes], dtype=committed.dtype).view(len(nodes), depth)  # [n_d, depth]
+        ids = torch.cat([committed.expand(len(nodes), -1), tails.to(committed.device)], dim=1)  # [n_d, T + depth]
+        index = torch.tensor(nodes, device=raw.device)
+        out[index] = logits_processor(ids, raw[index].clone())  # [n_d, V]
+    return out
+
+
+def target_choices(tree, logits: torch.Tensor, do_sample: bool, log_q: torch.Tensor | None = None,
+                   generator=None) -> torch.Tensor:
+    """[N] (on the device) the target's token after each node, from its processed logits [N, V].
+
+    ``log_q`` [L, V]: node i < L has ONE child, sampled from q_i (a chain drafted at temperature > 0)."""
+    if not do_sample:
+        return logits.argmax(-1)  # [N]
+    probs = torch.softmax(logits.float(), dim=-1)  # [N, V]
+    choices = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [N]: x_i ~ p_i
+    if log_q is not None and len(log_q):
+        L = log_q.shape[0]
+        children = torch.tensor([tree.tokens[tree.children[i][0]] for i in range(L)], device=logits.device)  # [L]
+        q = torch.softmax(log_q.float(), dim=-1).to(logits.device)  # [L, V]
+        choices[:L] = _draws_against_q(probs[:L], children, q, generator)
+    return choices
+
+
+def _draws_against_q(p: torch.Tensor, children: torch.Tensor, q: torch.Tensor, generator=None) -> torch.Tensor:
+    """[L] speculative sampling per row: keep child c_i w.p. min(1, p_i(c_i) / q_i(c_i)), else x ~ norm(max(p_i - q_i, 0)).
+    p, q: [L, V]; children: [L]."""
+    p_c = p.gather(1, children[:, None])[:, 0]  # [L]
+    q_c = q.gather(1, children[:, None])[:, 0]  # [L]
+    keep = torch.rand(p_c.shape, generator=generator, device=p.device) * q_c < p_c  # [L]
+    residual = (p - q).clamp_min(0)  # [L, V]
+    empty = residual.sum(-1) <= 0  # p == q: rejection had probability 0
+    residual = torch.where(empty[:, None], p, residual)  # any valid row: its draw is never used
+    redraw = torch.multinomial(residual, 1, generator=generator)[:, 0]  # [L]
+    return torch.where(keep | empty, children, redraw)
+
+
+def walk(tree, choices: list[int]) -> tuple[list[int], int]:
+    """(accepted path as node ids from the root, bonus token), from the target's choice after each node (host)."""
+    path, node = [0], 0
+    while True:
+        child = tree.child_with(node, choices[node])
+        if child is None:
+            return path, choices[node]
+        path.append(child)
+        node = child
+
+
+def accept(tree, logits: torch.Tensor, committed: torch.Tensor, logits_processor, do_sample: bool,
+           log_q: torch.Tensor | None = None, generator=None) -> tuple[list[int], int, torch.Tensor]:
+    """(accepted path, bonus token, processed logits [N, V]) of one verified tree: steps 1-3, one host transfer."""
+    processed = process_nodes(tree, logits, committed, logits_processor)
+    choices = target_choices(tree, processed, do_sample, log_q, generator).tolist()  # the one transfer
+    path, bonus = walk(tree, choices)
+    return path, bonus, processed
