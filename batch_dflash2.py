@@ -5,12 +5,20 @@ are written at the same slots for every row; slots a row does not keep become ho
 (``holes_dflash2``), so each row computes what it would alone. A step, after the batched prefill:
 
     1. propose, per row: that row's hybrid rule (its own history, the batch's costs) picks its block draft, its
-       n-gram continuation or nothing; ONE drafter forward drafts for every row (``batch_proposer_dflash2``)
-    2. verify: ONE target forward over [rows, 1 + L] (L: the length the batch's cost model keeps)
+       n-gram continuation or nothing; or, with ``drafter.config.tree_budget = N``, the row's own tree (the N most
+       probable nodes of its top-K lattice, its n-gram continuation as a branch); ONE drafter forward drafts for
+       every row (``batch_proposer_dflash2``)
+    2. verify: ONE target forward over [rows, W] (W: the largest proposal plus the anchor); a path verifies under
+       the target's own causal mask, trees under a 4D mask (each row's context with its holes, and its ancestors)
     3. accept, per row: the target's choice after every node of every row (argmax, or an exact draw: min(1, p/q) for
        drafted tokens; ``accept_dflash2``), ONE transfer for the batch, then each row's walk; EOS and length per row
-    4. commit: the slots no row kept are cropped, the rest of the step's slots become holes where a row did not
-       keep them; a finished row leaves the batch (its cache rows are dropped)
+    4. commit: trees first move each row's accepted nodes to the front of the step's slots (``kept_first``); the
+       slots no row kept are cropped, the rest of the step's slots become holes where a row did not keep them; a
+       finished row leaves the batch (its cache rows are dropped)
+
+A static cache (``cache_implementation="static"``) serves too, eagerly (a batch's shapes change as rows finish, so it
+is not compiled): the step's tail is cut by setting the layers' length, and the holes are compacted in place whenever
+the next step would not fit the slots (``generate``'s cache gets one widest step of room beyond ``max_length``).
 
 The output is transformers' batched ``generate``'s: finished rows are padded with ``pad_token_id`` up to the
 longest row; streamers get the same [b] columns, in order, as from transformers' loop (a column once every running
@@ -25,13 +33,14 @@ import itertools
 import time
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .accept_dflash2 import target_choices, walk
 from .attention_dflash2 import verification_attention
 from .batch_proposer_dflash2 import BatchProposer
-from .holes_dflash2 import compact, crop_tail, kept_mask, positions_from_mask, select_rows, should_compact
-from .loop_dflash2 import chain_tree
+from .holes_dflash2 import compact, crop_tail, kept_first, kept_mask, positions_from_mask, select_rows, should_compact
+from .loop_dflash2 import chain_tree, reserve_verification_slots
+from .tree_dflash2 import refuse_unsupported, static_cache_length, tree_attention_mask
 
 MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")  # kernels that take a 2D mask with holes
 
@@ -42,19 +51,18 @@ def refuse_unsupported_batch(target, drafter, generation_config, cache, budget: 
     if cache is None:
         raise ValueError("DFlash 2 speculative decoding needs the target's cache: pass use_cache=True")
     if budget:
-        raise ValueError(f"tree verification (tree_budget={budget}) runs batch size 1: set drafter.config.tree_budget = 0 "
-                         f"(one path per row) for batches, {fix}")
+        refuse_unsupported(target, generation_config, cache)
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or generation_config.output_hidden_states):
         raise ValueError("DFlash 2 speculative decoding returns sequences, scores, logits and the cache, not attentions or "
                          "hidden states: drop output_attentions/output_hidden_states")
     if getattr(target, "_is_stateful", False):
         raise ValueError("a stateful target (linear attention) keeps one recurrent state per row that a batch cannot roll "
                          f"back row by row: {fix}")
-    kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", []) if type(layer) is not DynamicLayer})
+    kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", []) if type(layer) not in (DynamicLayer, StaticLayer)})
     if kinds:
-        raise ValueError(f"batched DFlash 2 keeps per-row holes in full-attention dynamic caches; this cache has {kinds} "
-                         f"(a static cache, sliding windows or extra state): use the default dynamic cache "
-                         f"(cache_implementation=None) with full attention, {fix}")
+        raise ValueError(f"batched DFlash 2 keeps per-row holes in full-attention dynamic or static caches; this cache has "
+                         f"{kinds} (sliding windows or extra state): use the default dynamic cache (cache_implementation=None) "
+                         f"with full attention, {fix}")
     for who, model in (("target", target), ("drafter", drafter)):
         implementation = model.config._attn_implementation
         if implementation not in MASKED_ATTENTION and not str(implementation).startswith("sdpa"):
@@ -76,13 +84,32 @@ def as_row(fn, ids: list[int], row: int, rows: int, device, scores: torch.Tensor
     return fn(batch_ids, scores[None].expand(rows, -1).clone())[row]  # [V]
 
 
-def process_chain(logits: torch.Tensor, tree, prefix: list[int], row: int, rows: int, logits_processor, device) -> torch.Tensor:
-    """Processed logits [N, V] of one row's chain (``logits`` [N, V]): node k's processors see the row's sequence
-    ``prefix`` and the chain's first k tokens, through ``as_row``."""
+def stopping_rows(stopping_criteria, sequences: dict[int, list[int]], rows: int, device) -> set[int]:
+    """The caller rows (keys of ``sequences``: row -> its sequence) whose stopping criteria fire. One call and one
+    transfer per group of rows of equal length: the call gets a full-size batch in which each row of the group holds
+    its own sequence (the others repeat one of them), so each row sees what ``as_row`` would give it."""
+    by_length: dict[int, list[int]] = {}
+    for r, ids in sequences.items():
+        by_length.setdefault(len(ids), []).append(r)
+    stopped = set()
+    for group in by_length.values():
+        batch = [sequences[group[0]]] * rows
+        for r in group:
+            batch[r] = sequences[r]
+        fired = stopping_criteria(torch.tensor(batch, device=device), None).tolist()  # [rows]
+        stopped.update(r for r in group if fired[r])
+    return stopped
+
+
+def process_tree(logits: torch.Tensor, tree, prefix: list[int], row: int, rows: int, logits_processor, device) -> torch.Tensor:
+    """Processed logits [N, V] of one row's tree (``logits`` [N, V]): node k's processors see the row's sequence
+    ``prefix`` and the tree tokens from the root's child down to node k, through ``as_row``."""
     if not len(logits_processor):
         return logits
-    return torch.stack([as_row(logits_processor, prefix + tree.tokens[1 : k + 1], row, rows, device, logits[k])
-                        for k in range(len(tree))])  # [N, V]
+    paths = [[]]
+    for k in range(1, len(tree)):  # parents precede their children
+        paths.append(paths[tree.parents[k]] + [tree.tokens[k]])
+    return torch.stack([as_row(logits_processor, prefix + paths[k], row, rows, device, logits[k]) for k in range(len(tree))])  # [N, V]
 
 
 @torch.no_grad()
@@ -103,6 +130,9 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
     proposer = BatchProposer(target, drafter, generation_config,
                              [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(host_ids, host_mask)])
     stats = proposer.stats
+    widest = 1 + (budget + proposer.ngram_tokens if budget else max(proposer.draft_limit, proposer.ngram_tokens))  # [anchor] + a proposal
+    reserve_verification_slots(cache, generation_config, widest)  # a static cache generate made gets room for it
+    slots = static_cache_length(cache)  # None: a dynamic cache
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set() if eos is None else set(eos.view(-1).tolist())
@@ -136,11 +166,11 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
     streamed = 0
     while True:
         # commit the step's tokens; finished rows leave
-        still = []
         for i, r in enumerate(active):
             generated[r] += new[i]
-            if not (eos and generated[r][-1] in eos) and not as_row(stopping_criteria, host_ids[r] + generated[r], r, rows, device):
-                still.append(i)
+        unfinished = {r: host_ids[r] + generated[r] for r in active if not (eos and generated[r][-1] in eos)}
+        stopped = stopping_rows(stopping_criteria, unfinished, rows, device)
+        still = [i for i, r in enumerate(active) if r in unfinished and r not in stopped]
         streamed = _stream(streamer, generated, active, still, streamed, pad)
         if not still:
             break
@@ -152,32 +182,48 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
             active, new, real = [active[i] for i in still], [new[i] for i in still], [real[i] for i in still]
         anchors = [generated[r][-1] for r in active]
         limits = [generation_config.max_length - prompt_length - len(generated[r]) - 1 for r in active]  # drafts that fit
+        if slots is not None:  # a static cache: the step's slots must fit after the holes (compacted when they would not)
+            if kv_mask.shape[1] + widest > slots:
+                kv_mask = compact(cache, kv_mask)
+            limits = [min(limit, slots - kv_mask.shape[1] - 1) for limit in limits]
+        room = None if slots is None else slots - kv_mask.shape[1] - 1  # nodes after the anchor that fit the slots
 
-        # 1. propose (one drafter forward for the batch)
-        proposals = proposer.propose(anchors, new, limits)
-        width = 1 + max(len(p.tokens) for p in proposals)  # [anchor] + the longest proposal
+        # 1. propose (one drafter forward for the batch): a path per row (the row's rule), or a tree per row
+        if budget:
+            proposals, trees = None, proposer.propose_trees(anchors, new, limits, budget, room)
+        else:
+            proposals = proposer.propose(anchors, new, limits)
+            trees = [chain_tree(a, p.tokens) for a, p in zip(anchors, proposals)]
+        width = max(len(tree) for tree in trees)  # [anchor] + the largest proposal
 
-        # 2. verify every row in one forward; shorter rows are padded with their anchor (slots that become holes)
-        step_ids = torch.tensor([[a] + p.tokens + [a] * (width - 1 - len(p.tokens)) for a, p in zip(anchors, proposals)], device=device)
-        positions = torch.tensor(real, device=device)[:, None] + torch.arange(width, device=device)  # [b, 1 + L]
+        # 2. verify every row in one forward; smaller trees are padded with their anchor (slots that become holes)
+        start = kv_mask.shape[1]  # the step's first slot
+        step_ids = torch.tensor([tree.tokens + [tree.tokens[0]] * (width - len(tree)) for tree in trees], device=device)
+        depths = torch.tensor([tree.depths + [0] * (width - len(tree)) for tree in trees], device=device)  # [b, W]
+        positions = torch.tensor(real, device=device)[:, None] + depths  # [b, W]
+        if budget:  # each row's tree: its context (holes masked) and its own ancestors
+            key_length = slots if slots is not None else start + width
+            mask = torch.cat([tree_attention_mask(tree, kv_mask[i], target.dtype, key_length, width)
+                              for i, tree in enumerate(trees)])  # [b, 1, W, key_length]
+        else:  # chains: the target's own causal mask over the step's slots
+            mask = torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1)  # [b, T + W]
         with verification_attention(target):  # packed GQA heads: no copy of the whole cache per layer under the mask
-            out = target(input_ids=step_ids, position_ids=positions, attention_mask=torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1),
-                         past_key_values=cache, use_cache=True, output_hidden_states=layers)
-        logits = out.logits.float()  # [b, 1 + L, V]
+            out = target(input_ids=step_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True,
+                         output_hidden_states=layers)
+        logits = out.logits.float()  # [b, W, V]
 
         # 3. accept, per row, from the target's choice after every node: ONE transfer for the batch
-        trees = [chain_tree(a, p.tokens) for a, p in zip(anchors, proposals)]
         if greedy_argmax:
-            node_logits = logits  # [b, 1 + L, V]
-            choices = logits.argmax(-1).tolist()  # [b][1 + L]
+            node_logits = logits  # [b, W, V]
+            choices = logits.argmax(-1).tolist()  # [b][W]
         else:
-            node_logits = [process_chain(logits[i, : len(tree)], tree, host_ids[r] + generated[r], r, rows, logits_processor,
-                                         device) for i, (r, tree) in enumerate(zip(active, trees))]  # b x [N_i, V]
-            drawn = torch.cat([target_choices(tree, row_logits, do_sample, p.log_q)
-                               for tree, row_logits, p in zip(trees, node_logits, proposals)]).tolist()
+            node_logits = [process_tree(logits[i, : len(tree)], tree, host_ids[r] + generated[r], r, rows, logits_processor,
+                                        device) for i, (r, tree) in enumerate(zip(active, trees))]  # b x [N_i, V]
+            drawn = torch.cat([target_choices(tree, row_logits, do_sample, None if proposals is None else proposals[i].log_q)
+                               for i, (tree, row_logits) in enumerate(zip(trees, node_logits))]).tolist()
             ends = list(itertools.accumulate(len(tree) for tree in trees))
             choices = [drawn[end - len(tree): end] for tree, end in zip(trees, ends)]
-        new, kept = [], []
+        new, kept, paths = [], [], []
         for i, (r, tree) in enumerate(zip(active, trees)):
             path, bonus = walk(tree, choices[i])
             accepted = [tree.tokens[k] for k in path[1:]]
@@ -186,19 +232,28 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
             row_new = row_new if cut is None else row_new[: cut + 1]
             new.append(row_new)
             kept.append(len(row_new))  # the anchor and the accepted nodes whose successors are committed
+            paths.append(path)
             if want_scores:
-                row_scores[r] += [node_logits[i][k] for k in range(len(row_new))]
+                row_scores[r] += [node_logits[i][k] for k in path[: len(row_new)]]
             if want_logits:
-                row_raw[r] += [logits[i, k] for k in range(len(row_new))]
-        proposer.record(proposals, [k - 1 for k in kept])
+                row_raw[r] += [logits[i, k] for k in path[: len(row_new)]]
+        if budget:
+            proposer.record_trees(trees, [k - 1 for k in kept])
+        else:
+            proposer.record(proposals, [k - 1 for k in kept])
 
-        # 4. commit: the tail no row kept goes, the rest are holes where a row did not keep them
+        # 4. commit: trees first move each row's kept nodes to the front of the step's slots; then the tail no row
+        # kept goes, and the rest are holes where a row did not keep them
+        order = None
+        if budget:
+            order = torch.tensor([p + [k for k in range(width) if k not in p] for p in paths], device=device)  # [b, W]
+            kept_first(cache, start, order)
         longest = max(kept)
         crop_tail(cache, width - longest)
         step_mask = kept_mask(kept, longest, device)  # [b, K]
         kv_mask = torch.cat([kv_mask, step_mask], dim=1)
         real = [n + k for n, k in zip(real, kept)]
-        proposer.add_kept(out.hidden_states, step_mask)
+        proposer.add_kept(out.hidden_states, step_mask, order)
         if should_compact(kv_mask.shape[1], real):
             kv_mask = compact(cache, kv_mask)
 

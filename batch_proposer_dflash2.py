@@ -23,6 +23,7 @@ from .holes_dflash2 import compact, positions_from_mask, select_rows, should_com
 from .ngram_dflash2 import HybridRule, NgramIndex, Proposal, StepCosts
 from .proposer_dflash2 import PathProposal, context_features, draft_length_policy, ngram_policy, propose, reduce_streams
 from .stats_dflash2 import STATS_SINK, DFlash2Stats
+from .tree_dflash2 import add_branch, build_tree, lattice_lists, lattice_table
 
 
 def batch_step_costs(costs: StepCosts, rows: int) -> StepCosts:
@@ -92,6 +93,8 @@ class BatchProposer:
         self.device = next(drafter.parameters()).device
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = drafter.draft_head(target.get_output_embeddings())
+        vocab_ids = getattr(self.lm_head, "vocab_ids", None)
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(self.device)
         self.draft_limit, _ = draft_length_policy(generation_config, self.config.block_size)  # constant in a batch
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
@@ -125,10 +128,18 @@ class BatchProposer:
         features = context_features(hidden_states, self.config.target_layer_ids, mask.shape[1], self.config.target_hidden_reduction, self.device)
         self.pending.append((features, mask.to(self.device)))  # [b, P, n*H], [b, P]
 
-    def add_kept(self, hidden_states, kept_mask: torch.Tensor) -> None:
-        """Features of the first K slots of a verification forward; row i's first ``kept[i]`` are real."""
+    def add_kept(self, hidden_states, kept_mask: torch.Tensor, order: torch.Tensor | None = None) -> None:
+        """Features of the first K slots of a verification forward; row i's first ``kept[i]`` are real. ``order``
+        [b, W]: the slots in kept-first order (trees: ``holes_dflash2.kept_first``)."""
         width = kept_mask.shape[1]
-        features = torch.cat([reduce_streams(hidden_states[l + 1][:, :width], self.config.target_hidden_reduction).to(self.device)
+
+        def first(h):  # [b, W, ...] -> [b, K, ...]
+            if order is None:
+                return h[:, :width]
+            index = order[:, :width].to(h.device)  # [b, K]
+            return h.gather(1, index.view(*index.shape, *[1] * (h.dim() - 2)).expand(*index.shape, *h.shape[2:]))
+
+        features = torch.cat([reduce_streams(first(hidden_states[l + 1]), self.config.target_hidden_reduction).to(self.device)
                               for l in self.config.target_layer_ids], dim=-1)  # [b, K, n*H]
         self.pending.append((features, kept_mask.to(self.device)))
 
@@ -208,6 +219,39 @@ class BatchProposer:
                 out.append(PathProposal(choice, rates, drafted[i][: choice.length], q))
         length = batch_length(out, self.rules, self.costs)
         return [cut(p, length) for p in out]
+
+    def propose_trees(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int], budget: int,
+                      max_nodes: int | None = None) -> list:
+        """A ``TokenTree`` per row: the ``budget`` most probable nodes of the row's top-K lattice (at most ``limits[i]``
+        deep), plus the row's n-gram continuation as a branch; ``max_nodes`` bounds both together (a static cache's
+        slots). ONE drafter forward and ONE transfer for the batch."""
+        branch = self.ngram_tokens if self.ngrams is not None else 0
+        budget = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
+        t0 = time.perf_counter()
+        rows = len(anchors)
+        hidden = self.draft_hidden(torch.tensor(anchors, device=self.device))  # [b, B-1, H]
+        logits = self.drafter.draft_logits(self.lm_head, hidden)  # [b, B-1, V']
+        host = torch.stack([lattice_table(self.drafter, hidden[i], logits[i], self.vocab_ids, anchors[i])
+                            for i in range(rows)]).cpu()  # [b, B-1, 1 + K, K]: the one transfer
+        trees = []
+        for i in range(rows):
+            candidates, log_probs = lattice_lists(host[i])
+            tree = build_tree(anchors[i], candidates, log_probs, budget, limits[i])
+            if self.ngrams is not None:
+                self.ngrams[i].extend(new_tokens[i])
+                match = self.ngrams[i].lookup(min(branch, limits[i], max_nodes if max_nodes is not None else branch))
+                if match is not None:
+                    add_branch(tree, match.tokens)
+            trees.append(tree)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return trees
+
+    def record_trees(self, trees: list, accepted: list[int]) -> None:
+        """Statistics after a tree step (the hybrid rule picks paths only; trees do not feed it)."""
+        for i, (tree, n) in enumerate(zip(trees, accepted)):
+            self.stats.record_step(len(tree) - 1, n, "dflash2-tree", depth=max(tree.depths))
+            self.stats.row_accept_lengths[self.row_ids[i]].append(n + 1)
+        self.stats.forwards += 1
 
     def record(self, proposals: list[PathProposal], accepted: list[int]) -> None:
         """After a verification: each row's rule learns from its own outcome; statistics per row and pooled."""

@@ -9,15 +9,21 @@ exactly the keys, at exactly the positions, it would see alone. What is touched 
 * ``compact``: now and then (``should_compact``: the holes would free a quarter of the cache), ONE gather per
   layer moves every row's real entries together, right-aligned; the cost is one pass over the cache, amortised
   over the steps that made the holes;
-* ``select_rows``: a row that finished leaves the batch; its slice of every cache is dropped.
+* ``select_rows``: a row that finished leaves the batch; its slice of every cache is dropped;
+* ``kept_first``: a step that verified a tree per row first moves each row's accepted nodes to the front of the
+  step's slots (a gather over those slots only), so that what follows is a chain's bookkeeping.
 
-Works on ``DynamicLayer`` caches (the target's full-attention layers, the drafter's context cache); a layer that
-keeps more than keys and values (sliding windows, recurrent states, indexers) is refused by the batched loop.
+Works on ``DynamicLayer`` caches (the target's full-attention layers, the drafter's context cache) and on a static
+cache's ``StaticLayer``s (preallocated: the tail is cut by setting the layer's length in place, compaction writes the
+gathered entries back into the first slots; the slots past the length are stale, and the 2D mask, which ends at the
+length, hides them); a layer that keeps more than keys and values (sliding windows, recurrent states, indexers) is
+refused by the batched loop.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import StaticLayer
 
 MIN_HOLES_TO_COMPACT = 32  # slots: below this a gather costs more than the holes do
 
@@ -38,8 +44,29 @@ def kept_mask(kept: list[int], width: int, device) -> torch.Tensor:
 
 def crop_tail(cache, n: int) -> None:
     """Drop the last ``n`` slots of every layer (no row kept them)."""
-    if n > 0:
-        cache.crop(-n)
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        if type(layer) is StaticLayer:
+            if layer.is_initialized:
+                layer.cumulative_length.sub_(n)  # in place: the stale slots stay, past the length
+        else:
+            layer.crop(-n)
+
+
+def kept_first(cache, start: int, order: torch.Tensor) -> None:
+    """Reorder the step's slots ``start..start+W`` of every row by ``order`` [b, W] (a permutation per row: the row's
+    kept tree nodes first, in path order), so that each row's kept entries lead its step's slots as a chain's do.
+    Tail-only: nothing before ``start`` is touched."""
+    width = order.shape[1]
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        index = order.to(layer.keys.device)[:, None, :, None]  # [b, 1, W, 1]
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            step = tensor[:, :, start : start + width]  # [b, h, W, d]
+            tensor[:, :, start : start + width] = step.gather(2, index.expand(*step.shape[:2], width, step.shape[-1]))
 
 
 def should_compact(length: int, real: list[int]) -> bool:
@@ -60,8 +87,13 @@ def compact(cache, mask: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         index = order.to(layer.keys.device)[:, None, :, None]  # [b, 1, T', 1]
-        layer.keys = layer.keys.gather(2, index.expand(*layer.keys.shape[:2], width, layer.keys.shape[-1]))  # [b, h, T', d]
-        layer.values = layer.values.gather(2, index.expand(*layer.values.shape[:2], width, layer.values.shape[-1]))
+        keys = layer.keys.gather(2, index.expand(*layer.keys.shape[:2], width, layer.keys.shape[-1]))  # [b, h, T', d]
+        values = layer.values.gather(2, index.expand(*layer.values.shape[:2], width, layer.values.shape[-1]))
+        if type(layer) is StaticLayer:  # back into the first slots, in place
+            layer.keys[:, :, :width], layer.values[:, :, :width] = keys, values
+            layer.cumulative_length.fill_(width)
+        else:
+            layer.keys, layer.values = keys, values
     return mask.gather(-1, order)
 
 
@@ -70,8 +102,10 @@ def select_rows(cache, rows: torch.Tensor) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
             index = rows.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(0, index)
+            layer.keys = layer.keys.index_select(0, index)  # a static layer gets new (smaller) tensors: eager batches
             layer.values = layer.values.index_select(0, index)
+            if type(layer) is StaticLayer:
+                layer.batch_size = len(rows)
 
 
-__all__ = ["compact", "crop_tail", "kept_mask", "positions_from_mask", "select_rows", "should_compact"]
+__all__ = ["compact", "crop_tail", "kept_first", "kept_mask", "positions_from_mask", "select_rows", "should_compact"]

@@ -106,9 +106,9 @@ def add_branch(tree: TokenTree, tokens: list[int]) -> TokenTree:
     return tree
 
 
-def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor: int):
-    """(candidates [n][K], log_probs [n][K][K]) of one block's top-K lattice, scored at once and moved to the host in
-    ONE transfer (the tree then grows on the host).
+def lattice_table(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor: int) -> torch.Tensor:
+    """One block's top-K lattice, scored at once on the device: [n, 1 + K, K], row 0 the candidates' token ids (as
+    floats), rows 1.. the log-probs ``[t][j][k]`` of candidate k at position t after candidate j of position t - 1.
 
     hidden [n, H], logits [n, V'] at the drafted positions. With a selector, ``log_probs[t][j]`` is log softmax
     S_t(candidate j of position t - 1, .) over the top-K (the anchor for t = 0); without one, the log softmax of
@@ -128,8 +128,17 @@ def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab
         succ = selector.successor_codebook[candidates].float()  # [n, K child, R]
         scores = top_values[:, None, :] + torch.einsum("njr,nkr->njk", pred, succ)  # [n, K parent, K child]
         table = torch.log_softmax(scores, dim=-1)
-    host = torch.cat([candidates.to(table.dtype)[:, None, :], table], dim=1).cpu()  # [n, 1 + K, K]: one transfer
+    return torch.cat([candidates.to(table.dtype)[:, None, :], table], dim=1)  # [n, 1 + K, K]
+
+
+def lattice_lists(host: torch.Tensor) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """(candidates [n][K], log_probs [n][K][K]) from a ``lattice_table`` already on the host."""
     return host[:, 0].long().tolist(), host[:, 1:].tolist()
+
+
+def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor: int):
+    """``lattice_table`` moved to the host in ONE transfer, as lists (the tree then grows on the host)."""
+    return lattice_lists(lattice_table(drafter, hidden, logits, vocab_ids, anchor).cpu())
 
 
 def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None,

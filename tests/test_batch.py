@@ -102,6 +102,90 @@ def test_holes_are_compacted_and_finished_rows_leave(accepting_batch, monkeypatc
     assert calls  # the target's cache was compacted at least once
 
 
+@pytest.mark.parametrize("min_holes", [1, 10_000], ids=["compact-every-step", "compact-when-full"])
+def test_batched_static_cache_equals_the_targets_batched_generate(accepting_batch, monkeypatch, min_holes):
+    """A static cache: holes cut by the layers' length, compacted in place (every step, or only when the next step
+    would not fit the slots), rows ending at different times; equal to the target's own static batched generate."""
+    target, drafter, ids, mask = accepting_batch
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS})
+    monkeypatch.setattr(root.holes(), "MIN_HOLES_TO_COMPACT", min_holes)
+    calls = []
+    real_compact = root.holes().compact
+    monkeypatch.setattr(root.batch(), "compact", lambda cache, m: calls.append(m.shape) or real_compact(cache, m))
+    eos = _mid_batch_eos(target, ids, mask)
+    gen = root.generation()
+    for case in (dict(max_new_tokens=1), dict(max_new_tokens=40, eos_token_id=eos), dict(max_new_tokens=33)):
+        kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "cache_implementation": "static", **case}
+        ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+        with gen.collect_stats() as runs:
+            out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
+        assert torch.equal(ref, out), case
+    assert calls  # compacted: every step, or because the holes filled the slots
+    assert runs[-1].mean_acceptance_length > 1.5, runs[-1].as_dict()  # drafts were accepted on the static cache
+
+
+@pytest.mark.parametrize("budget", [3, 8])
+def test_batched_trees_equal_the_targets_batched_generate(accepting_batch, monkeypatch, budget):
+    """A tree per row (its own lattice and n-gram branch), one forward under per-row tree masks over the holes, the
+    accepted nodes moved to the front of the step's slots: rows equal to the target's own batched generate, with EOS
+    mid-batch, processors, scores, and a static cache."""
+    target, drafter, ids, mask = accepting_batch
+    monkeypatch.setattr(drafter.config, "tree_budget", budget)
+    eos = _mid_batch_eos(target, ids, mask)
+    gen = root.generation()
+    cases = [dict(max_new_tokens=1), dict(max_new_tokens=30, eos_token_id=eos), dict(max_new_tokens=25, repetition_penalty=1.3),
+             dict(max_new_tokens=30, eos_token_id=eos, cache_implementation="static"),
+             dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)]
+    for case in cases:
+        kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **case}
+        ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+        with gen.collect_stats() as runs:
+            out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
+        if case.get("return_dict_in_generate"):
+            assert torch.equal(ref.sequences, out.sequences)
+            for mine, theirs in [*zip(out.scores, ref.scores), *zip(out.logits, ref.logits)]:
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+            continue
+        assert torch.equal(ref, out), case
+        assert set(runs[-1].proposers) == ({"dflash2-tree"} if case["max_new_tokens"] > 1 else set())
+    assert runs[-1].mean_acceptance_length > 1.5, runs[-1].as_dict()  # the trees' nodes were accepted
+
+
+def test_kept_first_moves_each_rows_accepted_nodes_to_the_front_of_the_step():
+    from transformers.cache_utils import DynamicCache
+
+    holes = root.holes()
+    cache = DynamicCache()
+    keys = torch.arange(2 * 7, dtype=torch.float32).view(2, 1, 7, 1).expand(2, 2, 7, 3).contiguous()  # 2 rows, 3 past + 4 step
+    cache.update(keys, keys + 100, 0)
+    holes.kept_first(cache, 3, torch.tensor([[0, 2, 1, 3], [0, 3, 1, 2]]))
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 4, 6]  # the past is untouched
+    assert cache.layers[0].values[1, 1, :, 0].tolist() == [107, 108, 109, 110, 113, 111, 112]
+
+
+def test_stopping_criteria_run_once_per_group_of_equal_length_rows():
+    """Rows of equal length share one stopping-criteria call (one transfer), and every row gets what a call of its
+    own (``as_row``) would give it, with criteria that read the row's own tokens."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    batch = root.batch()
+    calls = []
+
+    class Counted(StoppingCriteriaList):
+        def __call__(self, ids, scores, **kwargs):
+            calls.append(ids.shape)
+            return super().__call__(ids, scores, **kwargs)
+
+    criteria = Counted([MaxLengthCriteria(max_length=7), EosTokenCriteria(eos_token_id=5)])
+    sequences = {0: [1, 2, 3, 4], 2: [1, 2, 5], 3: [1, 2, 3, 4, 6, 6, 6], 4: [1, 2, 3, 4], 5: [1, 2, 3, 5]}
+    stopped = batch.stopping_rows(criteria, sequences, rows=6, device="cpu")
+    assert len(calls) == 3 and all(shape[0] == 6 for shape in calls)  # lengths 4, 3 and 7
+    calls.clear()
+    one_by_one = {r for r, ids in sequences.items() if batch.as_row(criteria, ids, r, 6, "cpu")}
+    assert stopped == one_by_one == {2, 3, 5}
+
+
 def test_compact_moves_each_rows_real_entries_together_in_order():
     from transformers.cache_utils import DynamicCache
 
@@ -212,17 +296,17 @@ def test_the_batch_drafts_only_when_its_slowest_row_gains():
 
 def test_batched_refusals_name_the_fix(accepting_batch):
     from transformers import StaticCache
+    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
     target, drafter, ids, mask = accepting_batch
     kw = dict(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    with pytest.raises(ValueError, match="tree_budget"):
-        drafter.config.tree_budget = 8
-        try:
-            target.generate(**kw)
-        finally:
-            drafter.config.tree_budget = 0
+    windowed = Cache(layers=[DynamicSlidingWindowLayer(sliding_window=16) for _ in range(target.config.num_hidden_layers)])
     with pytest.raises(ValueError, match="cache_implementation=None"):
-        target.generate(**kw, past_key_values=StaticCache(config=target.config, max_cache_len=64))
+        target.generate(**kw, past_key_values=windowed)
+    # a user's own static cache is served (no room reserved beyond its slots: the last steps draft less)
+    ref = target.generate(**{**kw, "assistant_model": None}, past_key_values=StaticCache(config=target.config, max_cache_len=16))
+    out = target.generate(**kw, past_key_values=StaticCache(config=target.config, max_cache_len=16))
+    assert torch.equal(ref, out)
 
 
 def test_batched_refuses_stateful_targets():
@@ -268,10 +352,13 @@ def _batched_counts(target, drafter, ids, mask, gen_kw, n):
     return counts
 
 
-@pytest.mark.parametrize("temperature, top_p, repetition_penalty", [(1.0, 1.0, 1.0), (0.7, 0.9, 1.3)], ids=["plain", "processors"])
-def test_batched_sampling_keeps_each_rows_distribution(sampling_setup, monkeypatch, temperature, top_p, repetition_penalty):
+@pytest.mark.parametrize("temperature, top_p, repetition_penalty, tree_budget",
+                         [(1.0, 1.0, 1.0, None), (0.7, 0.9, 1.3, None), (0.7, 0.9, 1.3, 4)], ids=["plain", "processors", "trees"])
+def test_batched_sampling_keeps_each_rows_distribution(sampling_setup, monkeypatch, temperature, top_p, repetition_penalty,
+                                                       tree_budget):
     target, drafter, ids, mask = sampling_setup
     monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS})
+    monkeypatch.setattr(drafter.config, "tree_budget", tree_budget)
     gen_kw = dict(temperature=temperature, top_p=top_p, top_k=0, repetition_penalty=repetition_penalty, pad_token_id=0)
     with root.generation().collect_stats() as runs:
         counts = _batched_counts(target, drafter, ids, mask, gen_kw, SAMPLES)

@@ -51,6 +51,8 @@ def test_static_cache_without_compile_pads_nothing_and_stays_exact(gen_module):
 
 def test_what_no_mode_serves_is_refused_before_any_forward(gen_module):
     """The loop's refusals name the fix and come before the target runs (a forward counter stays at zero)."""
+    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
     from dflash2_tools.tiny_targets import tiny_glm5_next
 
     target = tiny_target("llama")
@@ -61,9 +63,10 @@ def test_what_no_mode_serves_is_refused_before_any_forward(gen_module):
         with pytest.raises(ValueError, match="output_attentions/output_hidden_states"):
             target.generate(torch.tensor([[3, 5, 7]]), assistant_model=drafter, max_new_tokens=4, return_dict_in_generate=True,
                             output_hidden_states=True, pad_token_id=0)
-        with pytest.raises(ValueError, match="cache_implementation=None"):  # a batch on a static cache
+        windowed = Cache(layers=[DynamicSlidingWindowLayer(sliding_window=16) for _ in range(target.config.num_hidden_layers)])
+        with pytest.raises(ValueError, match="cache_implementation=None"):  # a batch on a sliding-window cache
             target.generate(torch.tensor([[3, 5, 7], [4, 6, 8]]), assistant_model=drafter, max_new_tokens=4, pad_token_id=0,
-                            cache_implementation="static")
+                            past_key_values=windowed)
     finally:
         handle.remove()
     assert not forwards
