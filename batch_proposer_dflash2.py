@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache
 from .checks_dflash2 import check_compatible
 from .costs_dflash2 import rule_costs, step_costs
 from .holes_dflash2 import compact, positions_from_mask, select_rows, should_compact
-from .ngram_dflash2 import HybridRule, NgramIndex, Proposal, StepCosts
+from .ngram_dflash2 import HybridRule, NgramIndex, Proposal, StepCosts, expected_tokens
 from .proposer_dflash2 import PathProposal, context_features, draft_length_policy, ngram_policy, propose, reduce_streams
 from .stats_dflash2 import STATS_SINK, DFlash2Stats
 from .tree_dflash2 import add_branch, build_tree, lattice_lists, lattice_table
@@ -37,15 +37,6 @@ def batch_step_costs(costs: StepCosts, rows: int) -> StepCosts:
         return costs
     plain = 1.0 + costs.multi_token_step + costs.per_token * (rows - 1)
     return StepCosts(multi_token_step=0.0, per_token=costs.per_token * rows / plain, draft=costs.draft)
-
-
-def expected_tokens(rates: list[float], factor: float) -> float:
-    """Tokens a proposal with per-token acceptance ``rates`` commits in expectation, its bonus token included."""
-    run, expected = 1.0, 0.0
-    for a in rates:
-        run *= a
-        expected += run
-    return 1.0 + factor * expected
 
 
 def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: StepCosts) -> int:
@@ -273,4 +264,4 @@ def cut(proposal: PathProposal, length: int) -> PathProposal:
     return PathProposal(choice, proposal.rates, kept, log_q)
 
 
-__all__ = ["BatchProposer", "batch_length", "batch_step_costs", "draft_pays", "expected_tokens"]
+__all__ = ["BatchProposer", "batch_length", "batch_step_costs", "draft_pays"]

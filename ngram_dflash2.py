@@ -84,6 +84,16 @@ class StepCosts:
         return 1.0 + (self.multi_token_step + self.per_token * length if length else 0.0)
 
 
+def expected_tokens(rates: list[float], factor: float = 1.0) -> float:
+    """Tokens a proposal with per-token acceptance ``rates`` commits in expectation, its bonus token included
+    (``factor`` scales the drafted part: a proposer's measured acceptance against its calibration)."""
+    run, expected = 1.0, 0.0
+    for a in rates:
+        run *= a
+        expected += run
+    return 1.0 + factor * expected
+
+
 @dataclass
 class HybridRule:
     """Which proposal to verify, and how much of it: the most expected tokens per unit of time.
@@ -126,11 +136,9 @@ class HybridRule:
 
     def _best(self, rates: list[float], factor: float = 1.0, extra_cost: float = 0.0) -> tuple[float, int]:
         """(expected tokens per cost, length) of the best prefix of a proposal (length 0: verify none of it)."""
-        best, length, expected, run = 1.0 / (1.0 + extra_cost), 0, 0.0, 1.0
-        for i, a in enumerate(rates):
-            run *= a
-            expected += run
-            value = (1.0 + factor * expected) / (self.costs.verify(i + 1) + extra_cost)
+        best, length = 1.0 / (1.0 + extra_cost), 0
+        for i in range(len(rates)):
+            value = expected_tokens(rates[: i + 1], factor) / (self.costs.verify(i + 1) + extra_cost)
             if value > best + 1e-9 or (value >= best - 1e-9 and self.costs.verify(i + 1) == 1.0):
                 best, length = value, i + 1
         return best, length
