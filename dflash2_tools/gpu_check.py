@@ -80,13 +80,14 @@ def correctness(device: torch.device) -> list[dict]:
                              "detail": f"{equal}/3 equal"})
         del target, drafter
     rows.append(_offloaded(device))
-    rows.append(_batched(device))
+    rows.extend(_batched(device))
     rows.append(_sampling(device))
     return rows
 
 
-def _batched(device: torch.device) -> dict:
-    """A left-padded batch of four prompts of different lengths: every row equals the target's batched generate."""
+def _batched(device: torch.device) -> list[dict]:
+    """A left-padded batch of four prompts of different lengths, a path or a tree per row, dynamic and static caches:
+    every row equals the target's batched generate."""
     target = tiny_target("qwen3").to(device)
     drafter = tiny_drafter(target).to(device)
     lengths = (1, 5, 9, 17)
@@ -94,10 +95,16 @@ def _batched(device: torch.device) -> dict:
     prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in lengths]
     ids = torch.tensor([[0] * (max(lengths) - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (max(lengths) - len(p)) + [1] * len(p) for p in prompts], device=device)
-    want = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    got = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    return {"check": "greedy qwen3, a batch of 4 prompts of different lengths", "passed": bool(torch.equal(got, want)),
-            "detail": f"{int((got == want).all(-1).sum())}/4 rows equal"}
+    rows = []
+    for budget, cache in [(b, c) for c in (None, "static") for b in (None, 6)]:
+        drafter.config.tree_budget = budget
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation=cache)
+        want = target.generate(**kw)
+        got = target.generate(**kw, assistant_model=drafter)
+        rows.append({"check": f"greedy qwen3, a batch of 4 prompts of different lengths, tree_budget={budget} "
+                              f"cache={cache or 'dynamic'}", "passed": bool(torch.equal(got, want)),
+                     "detail": f"{int((got == want).all(-1).sum())}/4 rows equal"})
+    return rows
 
 
 def _flash_attention_available() -> bool:

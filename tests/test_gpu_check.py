@@ -13,6 +13,8 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["checks"] and all(c["passed"] for c in result["checks"]), result["checks"]
     assert {c["check"].split()[1] for c in result["checks"] if c["check"].startswith("greedy")} >= {"llama", "qwen3", "glm5_next"}
+    batched = [c["check"] for c in result["checks"] if "a batch of 4" in c["check"]]
+    assert len(batched) == 4 and any("tree_budget=6 cache=static" in c for c in batched)  # paths and trees, both caches
     for row in result["step_costs"]:
         for accept, spec in row["speculative"].items():
             # every step commits exactly `accept` tokens, but the last (the length limit cuts it)
