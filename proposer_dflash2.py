@@ -210,6 +210,10 @@ class DFlash2Proposer:
         self.context_rows = block  # a step commits at most a block (the accepted tokens and the bonus)
         self.slots = max_length + self.context_rows + block
         self.cache = Cache(layers=[StaticLayer(max_cache_len=self.slots) for _ in range(self.config.num_hidden_layers)])
+        dtype = next(self.drafter.parameters()).dtype
+        like = torch.empty(1, self.config.num_key_value_heads, 1, self.config.head_dim, dtype=dtype, device=self.device)
+        for layer in self.cache.layers:  # allocated now, outside any compiled region (static addresses marked)
+            layer.lazy_initialization(like, like)
         self.slot_ids = torch.arange(self.slots, device=self.device)  # [S]
         self.compiled_step = None if compile_config is None else compiled_call(self.drafter, compile_config)
 
