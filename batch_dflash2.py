@@ -130,7 +130,8 @@ def batched_speculative_decoding(target, drafter, input_ids, logits_processor, s
     proposer = BatchProposer(target, drafter, generation_config,
                              [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(host_ids, host_mask)])
     stats = proposer.stats
-    widest = 1 + (budget + proposer.ngram_tokens if budget else max(proposer.draft_limit, proposer.ngram_tokens))  # [anchor] + a proposal
+    # the widest verification step: [anchor] + a tree (+ its n-gram branch) or the longest path
+    widest = 1 + (budget + proposer.ngram_tokens if budget else max(proposer.draft_limit, proposer.ngram_tokens))
     reserve_verification_slots(cache, generation_config, widest)  # a static cache generate made gets room for it
     slots = static_cache_length(cache)  # None: a dynamic cache
     do_sample = bool(generation_config.do_sample)

@@ -585,7 +585,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             # keys are every committed token then the block, contiguous up to the block's end
             slot_positions = position_ids[:, -1:] - kv_len + 1 + torch.arange(kv_len, device=position_ids.device)  # [b, kv]
             padding = attention_mask[:, -kv_len:] if attention_mask is not None else None
-            mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], slot_positions, padding, window, self.config.is_causal)
+            mask_by_type[layer_type] = block_attention_mask(position_ids[:, -q_len:], slot_positions, padding, window,
+                                                            self.config.is_causal)
 
         hidden_states = noise_embeds
         for layer_idx, layer in enumerate(self.layers):
