@@ -28,9 +28,7 @@ def process_nodes(tree, raw: torch.Tensor, committed: torch.Tensor, logits_proce
     root's child down to node i. ``logits_processor`` empty: the raw rows."""
     if not len(logits_processor):
         return raw
-    prefixes = [[] for _ in range(len(tree))]
-    for i in range(1, len(tree)):  # parents precede their children
-        prefixes[i] = prefixes[tree.parents[i]] + [tree.tokens[i]]
+    prefixes = tree.prefixes()
     out = torch.empty_like(raw)
     by_depth: dict[int, list[int]] = {}
     for i, depth in enumerate(tree.depths):

@@ -106,10 +106,8 @@ def process_tree(logits: torch.Tensor, tree, prefix: list[int], row: int, rows: 
     ``prefix`` and the tree tokens from the root's child down to node k, through ``as_row``."""
     if not len(logits_processor):
         return logits
-    paths = [[]]
-    for k in range(1, len(tree)):  # parents precede their children
-        paths.append(paths[tree.parents[k]] + [tree.tokens[k]])
-    return torch.stack([as_row(logits_processor, prefix + paths[k], row, rows, device, logits[k]) for k in range(len(tree))])  # [N, V]
+    return torch.stack([as_row(logits_processor, prefix + path, row, rows, device, logits[k])
+                        for k, path in enumerate(tree.prefixes())])  # [N, V]
 
 
 @torch.no_grad()

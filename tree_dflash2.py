@@ -51,6 +51,14 @@ class TokenTree:
     def child_with(self, node: int, token: int) -> int | None:
         return next((c for c in self.children[node] if self.tokens[c] == token), None)
 
+    def prefixes(self) -> list[list[int]]:
+        """Per node, the tree tokens from the root's child down to it (the root: []): what a logits processor sees
+        after the committed sequence."""
+        out = [[]]
+        for i in range(1, len(self)):  # parents precede their children
+            out.append(out[self.parents[i]] + [self.tokens[i]])
+        return out
+
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
         n = len(self)
