@@ -39,6 +39,16 @@ def batch_step_costs(costs: StepCosts, rows: int) -> StepCosts:
     return StepCosts(multi_token_step=0.0, per_token=costs.per_token * rows / plain, draft=costs.draft)
 
 
+def batch_costs(target, drafter, lm_head, device, rows: int) -> tuple[StepCosts, dict, str]:
+    """(the batch's StepCosts, the costs as found, their source) for a batch of ``rows``: measured at this batch
+    size they are already the batch's; a configured dict or the one-row table is scaled (``batch_step_costs``)."""
+    costs, source = step_costs(target, drafter, lm_head, device, rows)
+    step = StepCosts(**rule_costs(costs))
+    if source == "config" or source == "table":
+        step = batch_step_costs(step, rows)
+    return step, costs, source
+
+
 def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: StepCosts) -> int:
     """The one proposal length L the step verifies for every row.
 
@@ -90,10 +100,7 @@ class BatchProposer:
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
         settings = self.config.hybrid_settings()
-        costs, source = step_costs(target, drafter, self.lm_head, self.device, rows)
-        self.costs = StepCosts(**rule_costs(costs))  # measured at this batch size: already the batch's
-        if source == "config" or source == "table":  # one row's numbers: scaled to the batch
-            self.costs = batch_step_costs(self.costs, rows)
+        self.costs, costs, source = batch_costs(target, drafter, self.lm_head, self.device, rows)
         self.rules = [HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"],
                                  settings["drafter_acceptance"], self.costs) for _ in range(rows)]
         self.ngrams = [NgramIndex(min_n, max_n) for _ in range(rows)] if self.ngram_tokens else None
@@ -264,4 +271,4 @@ def cut(proposal: PathProposal, length: int) -> PathProposal:
     return PathProposal(choice, proposal.rates, kept, log_q)
 
 
-__all__ = ["BatchProposer", "batch_length", "batch_step_costs", "draft_pays"]
+__all__ = ["BatchProposer", "batch_costs", "batch_length", "batch_step_costs", "draft_pays"]

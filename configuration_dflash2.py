@@ -129,8 +129,8 @@ class DFlash2Config(PreTrainedConfig):
         tree_budget (`int` or `"auto"`, optional): verify a token tree of this many drafted nodes (best
             paths through the top-K lattice, plus the n-gram branch) in one target forward instead
             of one path (``tree_dflash2.py``); ``"auto"``: a tree (and its size) only where this device's
-            measured step costs say it commits more tokens per unit of time than one path
-            (``tree_dflash2.choose_tree_budget``), and only on targets where a tree is exact (full attention,
+            measured step costs (a batch's own, for a batch) say it commits more tokens per unit of time
+            than one path (``tree_dflash2.choose_tree_budget``), and only on targets where a tree is exact (full attention,
             dynamic cache, not stateful); one path elsewhere. None or 0: one path. An explicit node count
             is refused clearly where a tree cannot be exact. Top-level key only (engines ignore it).
 

@@ -22,11 +22,11 @@ import sys
 
 from .checks_dflash2 import (TESTED_RANGE_TEXT, TESTED_TRANSFORMERS, check_compatible, check_placement,  # noqa: F401 (API)
                              check_transformers_version, is_dflash2_drafter)
-from .costs_dflash2 import cpu_has_native_bf16, rule_costs, step_costs  # noqa: F401 (precision.py reads cpu_has_native_bf16 here)
+from .costs_dflash2 import cpu_has_native_bf16  # noqa: F401 (precision.py reads cpu_has_native_bf16 here)
 from .batch_dflash2 import batched_speculative_decoding
+from .batch_proposer_dflash2 import batch_costs
 from .loop_dflash2 import speculative_decoding
 from .proposer_dflash2 import DFlash2Proposer, Draft, context_features, propose, reduce_streams  # noqa: F401 (API)
-from .ngram_dflash2 import StepCosts
 from .rollback_dflash2 import check_rollback_supported
 from .stats_dflash2 import DFlash2Stats, collect_stats, trace_proposals  # noqa: F401 (API)
 from .tree_dflash2 import choose_tree_budget, tree_support_problem
@@ -34,15 +34,18 @@ from .tree_dflash2 import choose_tree_budget, tree_support_problem
 def decide_tree_budget(target, drafter, generation_config, cache, input_ids) -> int:
     """Nodes per tree for this call, 0 for one path per step. An explicit ``tree_budget`` is honoured (or refused
     clearly where a tree cannot be exact); ``"auto"`` takes a tree only where the target and call allow one and
-    this device's measured costs say it commits more tokens per unit of time (``tree_dflash2.choose_tree_budget``)."""
+    this device's measured costs (a batch's: ``batch_costs``) say it commits more tokens per unit of time
+    (``tree_dflash2.choose_tree_budget``)."""
     setting = drafter.config.tree_budget
     if setting != "auto":
         return int(setting or 0)
-    if input_ids.shape[0] != 1 or tree_support_problem(target, generation_config, cache) is not None:
+    if tree_support_problem(target, generation_config, cache) is not None:
         return 0
     device = next(drafter.parameters()).device
-    costs, _ = step_costs(target, drafter, None, device)
-    budget, _ = choose_tree_budget(StepCosts(**rule_costs(costs)), drafter.config.hybrid_settings()["drafter_acceptance"])
+    # a batch decides with the batch's costs (a tree per row verifies rows x N tokens where a plain step verifies
+    # rows); TREE_GAIN is a mean over rows, like the paths' expected tokens it is compared with
+    costs, _, _ = batch_costs(target, drafter, None, device, input_ids.shape[0])  # one row: step_costs' own
+    budget, _ = choose_tree_budget(costs, drafter.config.hybrid_settings()["drafter_acceptance"])
     return budget
 
 

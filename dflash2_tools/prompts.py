@@ -172,6 +172,7 @@ TRAINING_PROMPT_SOURCES = {
     "sharegpt-first-turns": lambda: sharegpt_prompts("train"),
     "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
     "sharegpt-code-math": lambda: _code_math_prompts("train"),
+    "python-stubs": lambda: _python_stub_prompts(),
 }
 
 
@@ -179,6 +180,12 @@ def _code_math_prompts(split: str) -> list[dict]:
     from .prompt_domains import sharegpt_code_math_prompts  # imported here: prompt_domains builds on this module
 
     return sharegpt_code_math_prompts(split)
+
+
+def _python_stub_prompts() -> list[dict]:
+    from .prompt_stubs import python_stub_prompts  # imported here: it builds on prompt_domains, which builds on this module
+
+    return python_stub_prompts()
 
 
 def load_prompt_set(name: str) -> list[dict]:

@@ -38,6 +38,14 @@ PROMPT_SET_META = {  # what meta.json says (the first-turn text is the earlier f
 }
 
 
+def prompt_set_description(name: str) -> str:
+    if name == "python-stubs":  # the stubs change with the installed library versions, which it names
+        from .prompt_stubs import source_description
+
+        return source_description()
+    return PROMPT_SET_META[name]
+
+
 def encode_prompt(tokenizer, messages) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
@@ -108,7 +116,9 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", default="sharegpt-first-turns", choices=sorted(TRAINING_PROMPT_SOURCES),
                     help="sharegpt-all-turns: every human turn with its history (55.7K prompts; the oldest "
-                    "exchanges are dropped to fit --max-prompt-tokens); default: first turns only (the earlier folders)")
+                    "exchanges are dropped to fit --max-prompt-tokens); sharegpt-code-math: turns asking for code or math; "
+                    "python-stubs: HumanEval-form function stubs from library source (prompt_stubs.py); default: first turns "
+                    "only (the earlier folders)")
     ap.add_argument("--limit", type=int, default=None, help="number of training prompts after --offset (default: all)")
     ap.add_argument("--offset", type=int, default=0,
                     help=f"skip this many shuffled prompts (a multiple of {CHUNK}) to extend data in a new folder")
@@ -133,7 +143,7 @@ def main(argv=None):
     sampling = {"do_sample": False} if args.temperature == 0 else {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
     meta = {
         "target": args.target,
-        "prompt_set": PROMPT_SET_META[args.prompts],
+        "prompt_set": prompt_set_description(args.prompts),
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "dtype": str(dtype).removeprefix("torch."),

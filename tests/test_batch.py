@@ -151,6 +151,21 @@ def test_batched_trees_equal_the_targets_batched_generate(accepting_batch, monke
     assert runs[-1].mean_acceptance_length > 1.5, runs[-1].as_dict()  # the trees' nodes were accepted
 
 
+@pytest.mark.parametrize("costs", [FREE_COSTS, CPU_FP32_COSTS], ids=["gpu-like-costs", "cpu-costs"])
+def test_auto_tree_budget_decides_with_the_batchs_costs(accepting_batch, monkeypatch, costs):
+    """``tree_budget="auto"`` (the shipped setting) in a batch: where verification is free a tree per row, where a
+    batched multi-token forward is dear (fp32 on this CPU) paths; the batch's rows equal the target's either way."""
+    target, drafter, ids, mask = accepting_batch
+    monkeypatch.setattr(drafter.config, "tree_budget", "auto")
+    monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": costs})
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=20)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    with root.generation().collect_stats() as runs:
+        out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
+    assert torch.equal(ref, out)
+    assert ("dflash2-tree" in runs[-1].proposers) == (costs is FREE_COSTS), runs[-1].proposers
+
+
 def test_kept_first_moves_each_rows_accepted_nodes_to_the_front_of_the_step():
     from transformers.cache_utils import DynamicCache
 

@@ -3,15 +3,17 @@ training data -- checked on the committed data itself, with a method independent
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
 from conftest import root
 
-from dflash2_tools import prompt_domains
+from dflash2_tools import prompt_domains, prompt_stubs
 from dflash2_tools.regenerate import load_chunks
 
 CODE_MATH_DATA = root.REPO_ROOT / "data" / "smollm2-sharegpt-code-math-128"
+STUB_DATA = root.REPO_ROOT / "data" / "smollm2-python-stubs-128"
 
 
 def test_domain_classifier():
@@ -37,15 +39,53 @@ def char_grams(text: str, n: int = 40) -> set[str]:
     return {flat[i : i + n] for i in range(max(1, len(flat) - n + 1))}
 
 
-@pytest.mark.skipif(not CODE_MATH_DATA.is_dir(), reason="no code/math data committed yet")
-def test_committed_code_math_data_holds_no_evaluation_prompt():
+STUB_SOURCE = '''
+def _private(x):
+    "A private helper that is long enough to qualify otherwise, and more."
+    y = x
+    return y
+
+def short(x):
+    "Too short."
+    y = x
+    return y
+
+def wrapper(x):
+    "Only forwards its argument to another function, nothing else at all."
+    return g(x)
+
+@cache
+def scale(values: list[float], factor=2.0) -> list[float]:
+    """Multiply every value by factor.
+
+    >>> scale([1.0, 2.5])
+    [2.0, 5.0]
+    """
+    secret_body = [v * factor for v in values]
+    return secret_body
+'''
+
+
+def test_python_stub_keeps_signature_and_docstring_not_body():
+    stubs = [s for node in ast.parse(STUB_SOURCE).body if (s := prompt_stubs.stub(node))]
+    assert len(stubs) == 1, stubs
+    text = stubs[0]
+    assert text.startswith('def scale(values: list[float], factor=2.0) -> list[float]:\n    """Multiply every value')
+    assert ">>> scale([1.0, 2.5])" in text and "secret_body" not in text and "@cache" not in text
+    compile(text, "<stub>", "exec")  # the stub is valid Python (a function whose body is its docstring)
+
+
+@pytest.mark.parametrize("folder", [CODE_MATH_DATA, STUB_DATA], ids=["sharegpt-code-math", "python-stubs"])
+def test_committed_code_math_data_holds_no_evaluation_prompt(folder):
+    if not list(folder.glob("chunk_*.npz")):
+        pytest.skip(f"no chunk of {folder.name} is committed yet")
     """Every committed training prompt, decoded, against every HumanEval and CHAMP prompt: no evaluation prompt has
     30% of its 40-character windows inside a training prompt (a positive control shows the check finds one)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root.REPO_ROOT)
-    prompts = [tokenizer.decode(tokens[:length]) for tokens, length in load_chunks(CODE_MATH_DATA)]
-    assert len(prompts) > 100
+    prompts = [tokenizer.decode(tokens[:length]) for tokens, length in load_chunks(folder)]
+    assert len(prompts) >= 32
     train_grams = [char_grams(p) for p in prompts]
     index = {}
     for i, grams in enumerate(train_grams):
