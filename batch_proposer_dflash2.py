@@ -23,7 +23,7 @@ from .holes_dflash2 import compact, positions_from_mask, select_rows, should_com
 from .ngram_dflash2 import HybridRule, NgramIndex, Proposal, StepCosts, expected_tokens
 from .proposer_dflash2 import PathProposal, context_features, draft_length_policy, ngram_policy, propose, reduce_streams
 from .stats_dflash2 import STATS_SINK, DFlash2Stats
-from .tree_dflash2 import add_branch, build_tree, lattice_lists, lattice_table
+from .tree_dflash2 import lattice_lists, lattice_table, tree_with_branch
 
 
 def batch_step_costs(costs: StepCosts, rows: int) -> StepCosts:
@@ -223,24 +223,18 @@ class BatchProposer:
         """A ``TokenTree`` per row: the ``budget`` most probable nodes of the row's top-K lattice (at most ``limits[i]``
         deep), plus the row's n-gram continuation as a branch; ``max_nodes`` bounds both together (a static cache's
         slots). ONE drafter forward and ONE transfer for the batch."""
-        branch = self.ngram_tokens if self.ngrams is not None else 0
-        budget = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
         t0 = time.perf_counter()
-        rows = len(anchors)
-        hidden = self.draft_hidden(torch.tensor(anchors, device=self.device))  # [b, B-1, H]
+        anchor_ids = torch.tensor(anchors, device=self.device)  # [b]
+        hidden = self.draft_hidden(anchor_ids)  # [b, B-1, H]
         logits = self.drafter.draft_logits(self.lm_head, hidden)  # [b, B-1, V']
-        host = torch.stack([lattice_table(self.drafter, hidden[i], logits[i], self.vocab_ids, anchors[i])
-                            for i in range(rows)]).cpu()  # [b, B-1, 1 + K, K]: the one transfer
+        host = lattice_table(self.drafter, hidden, logits, self.vocab_ids, anchor_ids).cpu()  # [b, B-1, 1 + K, K]: the one transfer
         trees = []
-        for i in range(rows):
+        for i in range(len(anchors)):
             candidates, log_probs = lattice_lists(host[i])
-            tree = build_tree(anchors[i], candidates, log_probs, budget, limits[i])
             if self.ngrams is not None:
                 self.ngrams[i].extend(new_tokens[i])
-                match = self.ngrams[i].lookup(min(branch, limits[i], max_nodes if max_nodes is not None else branch))
-                if match is not None:
-                    add_branch(tree, match.tokens)
-            trees.append(tree)
+            trees.append(tree_with_branch(anchors[i], candidates, log_probs, budget, limits[i], self.ngram_tokens,
+                                          self.ngrams[i].lookup if self.ngrams is not None else None, max_nodes))
         self.stats.draft_seconds += time.perf_counter() - t0
         return trees
 

@@ -27,7 +27,7 @@ from .costs_dflash2 import rule_costs, step_costs
 from .ngram_dflash2 import HybridRule, NgramIndex, StepCosts
 from .rollback_dflash2 import LinearStateRollback
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats
-from .tree_dflash2 import add_branch, build_tree, lattice_log_probs
+from .tree_dflash2 import lattice_log_probs, tree_with_branch
 
 def reduce_streams(hidden: torch.Tensor, reduction: str | None) -> torch.Tensor:
     """Hyper-connection targets give [b, t, streams, H]; reduce to [b, t, H] the way the config says."""
@@ -311,15 +311,10 @@ class DFlash2Proposer:
         hidden = self.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
         logits = self.drafter.draft_logits(self.lm_head, hidden)[0]  # [B-1, V']
         candidates, log_probs = lattice_log_probs(self.drafter, hidden[0], logits, self.vocab_ids, anchor)
-        branch = min(self.ngram_tokens, depth_limit) if self.ngram is not None else 0
-        nodes = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
-        tree = build_tree(anchor, candidates, log_probs, nodes, depth_limit)
         if self.ngram is not None:
             self.extend_ngram_index(input_ids, history)
-            match = self.ngram.lookup(branch)
-            if match is not None:
-                add_branch(tree, match.tokens)
-        return tree
+        return tree_with_branch(anchor, candidates, log_probs, budget, depth_limit, self.ngram_tokens,
+                                self.ngram.lookup if self.ngram is not None else None, max_nodes)
 
     # ---- what the loop reads from the target's forwards ---------------------------------------------------------
 

@@ -114,29 +114,44 @@ def add_branch(tree: TokenTree, tokens: list[int]) -> TokenTree:
     return tree
 
 
-def lattice_table(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor: int) -> torch.Tensor:
-    """One block's top-K lattice, scored at once on the device: [n, 1 + K, K], row 0 the candidates' token ids (as
+def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[list[list[float]]], budget: int,
+                     depth_limit: int, branch: int = 0, lookup=None, max_nodes: int | None = None) -> TokenTree:
+    """A step's tree: the ``budget`` most probable lattice nodes (at most ``depth_limit`` deep) plus the n-gram
+    continuation ``lookup(n)`` (a match with ``.tokens``, or None) of up to ``branch`` tokens as one more branch;
+    ``max_nodes`` bounds both together (a static cache's slots), the branch's room reserved first."""
+    branch = min(branch, depth_limit, max_nodes if max_nodes is not None else branch) if lookup is not None else 0
+    nodes = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
+    tree = build_tree(anchor, candidates, log_probs, nodes, depth_limit)
+    match = lookup(branch) if branch > 0 else None
+    if match is not None:
+        add_branch(tree, match.tokens)
+    return tree
+
+
+def lattice_table(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor) -> torch.Tensor:
+    """A block's top-K lattice, scored at once on the device: [..., n, 1 + K, K], row 0 the candidates' token ids (as
     floats), rows 1.. the log-probs ``[t][j][k]`` of candidate k at position t after candidate j of position t - 1.
 
-    hidden [n, H], logits [n, V'] at the drafted positions. With a selector, ``log_probs[t][j]`` is log softmax
-    S_t(candidate j of position t - 1, .) over the top-K (the anchor for t = 0); without one, the log softmax of
-    the draft logits over the top-K, whatever the parent.
+    hidden [..., n, H], logits [..., n, V'] at the drafted positions, ``anchor`` an int or a tensor of the leading
+    shape (a batch scores every row's lattice in the same kernels). With a selector, ``log_probs[t][j]`` is log
+    softmax S_t(candidate j of position t - 1, .) over the top-K (the anchor for t = 0); without one, the log softmax
+    of the draft logits over the top-K, whatever the parent.
     """
     selector = drafter.candidate_selector
     k = selector.top_k if selector is not None else min(8, logits.shape[-1])
-    top_values, top_cols = logits.float().topk(k, dim=-1)  # [n, K]
-    candidates = top_cols if vocab_ids is None else vocab_ids[top_cols]  # [n, K] token ids
-    n = candidates.shape[0]
+    top_values, top_cols = logits.float().topk(k, dim=-1)  # [..., n, K]
+    candidates = top_cols if vocab_ids is None else vocab_ids[top_cols]  # [..., n, K] token ids
     if selector is None:
-        table = torch.log_softmax(top_values, dim=-1)[:, None, :].expand(n, k, k)  # [n, K, K]
+        table = torch.log_softmax(top_values, dim=-1).unsqueeze(-2).expand(*top_values.shape[:-1], k, k)  # [..., n, K, K]
     else:
-        gated = selector.hidden_projection(hidden).float()  # [n, R]
-        parents = torch.cat([candidates.new_full((1, k), anchor), candidates[:-1]])  # [n, K]: position t's possible parents
-        pred = selector.predecessor_codebook[parents].float() * gated[:, None, :]  # [n, K parent, R]
-        succ = selector.successor_codebook[candidates].float()  # [n, K child, R]
-        scores = top_values[:, None, :] + torch.einsum("njr,nkr->njk", pred, succ)  # [n, K parent, K child]
+        gated = selector.hidden_projection(hidden).float()  # [..., n, R]
+        first = torch.as_tensor(anchor, device=candidates.device)[..., None, None].expand(*candidates.shape[:-2], 1, k)  # [..., 1, K]
+        parents = torch.cat([first, candidates[..., :-1, :]], dim=-2)  # [..., n, K]: position t's possible parents
+        pred = selector.predecessor_codebook[parents].float() * gated.unsqueeze(-2)  # [..., n, K parent, R]
+        succ = selector.successor_codebook[candidates].float()  # [..., n, K child, R]
+        scores = top_values.unsqueeze(-2) + torch.einsum("...njr,...nkr->...njk", pred, succ)  # [..., n, K parent, K child]
         table = torch.log_softmax(scores, dim=-1)
-    return torch.cat([candidates.to(table.dtype)[:, None, :], table], dim=1)  # [n, 1 + K, K]
+    return torch.cat([candidates.to(table.dtype).unsqueeze(-2), table], dim=-2)  # [..., n, 1 + K, K]
 
 
 def lattice_lists(host: torch.Tensor) -> tuple[list[list[int]], list[list[list[float]]]]:

@@ -54,6 +54,22 @@ def test_lattice_scores_every_parent_at_once(tree_module):
             torch.testing.assert_close(torch.tensor(log_probs[t][j]), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("selector", [True, False], ids=["selector", "no-selector"])
+def test_a_batchs_lattices_are_each_rows_own(tree_module, selector):
+    """A batch scores every row's lattice in the same kernels: each row equals its own one-row lattice."""
+    drafter = tiny_drafter()
+    if not selector:
+        drafter.candidate_selector = None
+    torch.manual_seed(1)
+    hidden, logits = torch.randn(3, 4, 48), torch.randn(3, 4, VOCAB)  # [b, n, H], [b, n, V]
+    anchors = [5, 11, 2]
+    batched = tree_module.lattice_table(drafter, hidden, logits, None, torch.tensor(anchors))  # [b, n, 1 + K, K]
+    for i, anchor in enumerate(anchors):
+        torch.testing.assert_close(batched[i], tree_module.lattice_table(drafter, hidden[i], logits[i], None, anchor))
+    if selector:  # the anchor matters at position 0: another row's anchor would give another table
+        assert not torch.equal(batched[0, 0], tree_module.lattice_table(drafter, hidden[0], logits[0], None, anchors[1])[0])
+
+
 def test_ancestor_mask_and_tree_attention_mask(tree_module):
     tree = tree_module.root_tree(5)
     a = tree.add(1, 0)
