@@ -99,6 +99,8 @@ def replay(steps: list[dict], rule, ngram, policy: str = "rule") -> dict:
 
 def fit_drafter_acceptance(steps: list[dict]) -> list[float]:
     """Mean P(block position i accepted) of the whole block draft."""
+    if not steps:
+        raise ValueError("no traced steps: the calls verified no block draft (trace_proposals records one-path steps only)")
     n = max(len(s["draft"]) for s in steps)
     return [round(sum(s["draft_accepted"] > i for s in steps) / len(steps), 3) for i in range(n)]
 
@@ -154,6 +156,7 @@ def trace(args):
     settings = drafter.config.hybrid_settings()
     # trace both, always verify the whole block draft
     drafter.config.hybrid_ngram = {**settings, "ngram_margin": -1e9, "costs": {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0}}
+    drafter.config.tree_budget = None  # one path per step: under free costs "auto" would verify trees, which are not traced
     steps = []
     for name in args.prompt_sets:
         records = sharegpt_prompts("train") if name == "sharegpt-train" else load_prompt_set(name)

@@ -289,3 +289,17 @@ def test_calibration_fits_and_replays_traced_steps():
     assert cal.replay(steps, rule, ngram, "ngram") == {"tokens_per_step": 7 / 3, "tokens_per_cost": 7 / 3}
     # no costs: every drafted token verified; the rule takes the better-scored proposal per step
     assert cal.replay(steps, rule, ngram, "dflash2")["tokens_per_step"] == (4 + 2 + 1) / 3
+
+
+def test_calibration_traces_the_shipped_drafter():
+    """The trace verifies one path per step whatever ``tree_budget`` ships (under its free costs "auto" would pick
+    trees, which record no trace): a short call on the embedded target yields traced steps with both proposals."""
+    import argparse
+
+    from dflash2_tools import calibrate_hybrid as cal
+
+    args = argparse.Namespace(target=cal.EMBEDDED_TARGET, drafter=str(root.REPO_ROOT), prompt_sets=["humaneval"], offset=20,
+                              limit=1, max_new_tokens=12, dtype="float32")
+    steps, settings, _ = cal.trace(args)
+    assert steps and all(len(s["draft"]) > 0 and s["prompt_set"] == "humaneval" for s in steps)
+    assert settings["max_n"] >= 1
