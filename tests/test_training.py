@@ -413,3 +413,33 @@ def test_all_levers_train_end_to_end_under_a_cpu_budget(tmp_path):
     assert (store / "teacher_logp.npy").exists() and np.load(store / "filled.npy").any()
     train.main(common)  # budget spent: the same command returns at once, nothing more is logged
     assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == len(log)
+
+
+def test_a_new_store_copies_the_rows_other_stores_hold(tmp_path):
+    """A new mix of known sequences (another order, one new, one dropped) takes every known sequence's rows from the
+    store that holds them, with no target forward; a store of other settings, or a sequence not yet filled there,
+    gives nothing."""
+    rng = np.random.default_rng(0)
+    seqs = [(np.arange(n) + 10 * n, 2) for n in (5, 7, 3, 6)]
+    width, k = 4, 2
+    settings = features.store_settings("t", [0, 2], None, False, k, None)
+    old = features.FeatureStore(tmp_path / "features-old", [len(t) for t, _ in seqs], width, k, settings,
+                                features.sequence_digests(seqs))
+    rows = {}
+    for i, (tokens, _) in enumerate(seqs[:3]):  # the 4th is never filled
+        f, lp, cols = torch.from_numpy(rng.normal(size=(len(tokens), width))).float(), torch.rand(len(tokens), k), torch.randint(0, 9, (len(tokens), k))
+        old.write(i, f, lp, cols)
+        rows[i] = old.read(i)
+    old.flush()
+    other = features.store_settings("t", [0, 2], None, True, k, None)  # bf16 features: not the same rows
+    features.FeatureStore(tmp_path / "features-bf16", [5], width, k, other, features.sequence_digests(seqs[:1]))
+    mix = [seqs[2], (np.arange(9), 2), seqs[0], seqs[3]]  # reordered, a new sequence, one dropped
+    new = features.FeatureStore(tmp_path / "features-new", [len(t) for t, _ in mix], width, k, settings,
+                                features.sequence_digests(mix))
+    assert new.seed_from_siblings() == 2
+    assert new.missing(range(4)) == [1, 3]
+    for i, j in ((0, 2), (2, 0)):
+        for mine, theirs in zip(new.read(i), rows[j]):
+            assert torch.equal(mine, theirs)
+    reopened = features.FeatureStore(tmp_path / "features-new", [len(t) for t, _ in mix], width, k)
+    assert reopened.missing(range(4)) == [1, 3]  # the copies were flushed

@@ -53,13 +53,23 @@ def target_forward(target, tokens, lengths, layer_ids, reduction=None, teacher_h
     return features, logp, cols
 
 
+def store_settings(target_name: str, layer_ids, reduction, bf16: bool, teacher_k: int, vocab_ids) -> str:
+    """What every stored row depends on besides its own tokens: target, tapped layers, precision, teacher."""
+    return json.dumps([target_name, list(layer_ids), reduction, bf16, teacher_k, list(vocab_ids or [])])
+
+
 def store_key(target_name: str, layer_ids, reduction, bf16: bool, teacher_k: int, vocab_ids, sequences) -> str:
-    """Fingerprint of what stored rows depend on: target, tapped layers, precision, teacher, token ids."""
-    h = hashlib.sha256(json.dumps([target_name, list(layer_ids), reduction, bf16, teacher_k, list(vocab_ids or [])]).encode())
+    """Fingerprint of a store: its settings and the token ids of every sequence, in order."""
+    h = hashlib.sha256(store_settings(target_name, layer_ids, reduction, bf16, teacher_k, vocab_ids).encode())
     for tokens, _ in sequences:
         h.update(np.asarray(tokens, dtype=np.int64).tobytes())
         h.update(b"|")
     return h.hexdigest()[:16]
+
+
+def sequence_digests(sequences) -> list[str]:
+    """One fingerprint per sequence (its token ids): how a new store finds rows another store already holds."""
+    return [hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:24] for tokens, _ in sequences]
 
 
 def _open_array(path: Path, dtype, shape):
@@ -78,9 +88,15 @@ class FeatureStore:
     after an interruption at most the rows since the last ``flush`` are recomputed.
     """
 
-    def __init__(self, folder: str | Path, lengths: list[int], width: int, teacher_k: int = 0):
+    def __init__(self, folder: str | Path, lengths: list[int], width: int, teacher_k: int = 0,
+                 settings: str | None = None, digests: list[str] | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        index = self.folder / "index.json"  # settings + per-sequence digests: lets later stores reuse these rows
+        if settings is not None and digests is not None and not index.exists():
+            index.write_text(json.dumps({"settings": settings, "width": width, "teacher_k": teacher_k,
+                                         "lengths": [int(n) for n in lengths], "digests": digests}))
+        self.settings, self.digests = settings, digests
         self.offsets = np.cumsum([0] + list(lengths))
         n_rows = int(self.offsets[-1])
         self.features = _open_array(self.folder / "features.npy", np.uint16, (n_rows, width))  # bf16 bits
@@ -119,6 +135,41 @@ class FeatureStore:
         tmp = self.folder / "filled.tmp.npy"
         np.save(tmp, self.filled)
         tmp.replace(self.folder / "filled.npy")
+
+    def seed_from_siblings(self) -> int:
+        """Copy the rows of every missing sequence that another store beside this one already holds (same settings,
+        same tokens: same rows), so a new mix of known data costs target forwards only for its new sequences.
+        Returns the number of sequences copied."""
+        if self.settings is None or self.digests is None:
+            return 0
+        wanted = {d: i for i, d in enumerate(self.digests) if not self.filled[i]}
+        copied = 0
+        for index_path in sorted(self.folder.parent.glob("features-*/index.json")):
+            other_folder = index_path.parent
+            if not wanted or other_folder == self.folder:
+                continue
+            meta = json.loads(index_path.read_text())
+            if (meta["settings"], meta["width"], meta["teacher_k"]) != (self.settings, self.features.shape[1], self.teacher_k):
+                continue
+            other_filled = np.load(other_folder / "filled.npy") if (other_folder / "filled.npy").exists() else None
+            hits = [(wanted.pop(d), j) for j, d in enumerate(meta["digests"])
+                    if d in wanted and other_filled is not None and other_filled[j]]
+            if not hits:
+                continue
+            other = FeatureStore(other_folder, meta["lengths"], self.features.shape[1], self.teacher_k)
+            for i, j in hits:
+                lo, hi = self.offsets[i], self.offsets[i + 1]
+                olo, ohi = other.offsets[j], other.offsets[j + 1]
+                if ohi - olo != hi - lo:  # a digest collision would show here; recompute that sequence instead
+                    continue
+                self.features[lo:hi] = other.features[olo:ohi]
+                if self.teacher_k:
+                    self.teacher_logp[lo:hi] = other.teacher_logp[olo:ohi]
+                    self.teacher_cols[lo:hi] = other.teacher_cols[olo:ohi]
+                self.filled[i] = True
+                copied += 1
+            self.flush()
+        return copied
 
     @property
     def fraction_filled(self) -> float:

@@ -36,7 +36,7 @@ from ..target import EMBEDDED_TARGET, cache_dir, load_target, resolve_target
 from .batches import batch_indices, collate
 from .data import load_split
 from .evaluate import evaluate
-from .features import FeatureStore, features_for_batch, store_key
+from .features import FeatureStore, features_for_batch, sequence_digests, store_key, store_settings
 from .forward import LossHead, compute_loss
 from .model import make_drafter
 
@@ -199,13 +199,17 @@ def main(argv=None):
     teacher_k = args.teacher_k if args.distill_weight > 0 else 0  # online: a teacher only when distilling
     store = None
     if args.feature_cache == "disk":
-        key = store_key(args.target_name, cfg.target_layer_ids, cfg.target_hidden_reduction, use_bf16, args.teacher_k,
-                        cfg.draft_vocab_ids if args.loss_vocab == "draft" else None, train)
+        settings = (args.target_name, cfg.target_layer_ids, cfg.target_hidden_reduction, use_bf16, args.teacher_k,
+                    cfg.draft_vocab_ids if args.loss_vocab == "draft" else None)
+        key = store_key(*settings, train)
         root_dir = Path(args.feature_cache_dir) if args.feature_cache_dir else cache_dir() / "features"
         width = len(cfg.target_layer_ids) * cfg.hidden_size
-        store = FeatureStore(root_dir / f"features-{key}", [len(t) for t, _ in train], width, args.teacher_k)
+        store = FeatureStore(root_dir / f"features-{key}", [len(t) for t, _ in train], width, args.teacher_k,
+                             store_settings(*settings), sequence_digests(train))
         if is_main:
-            print(f"feature store {store.folder}: {store.fraction_filled:.0%} of {len(train)} sequences filled", flush=True)
+            copied = store.seed_from_siblings() if store.fraction_filled < 1 else 0
+            print(f"feature store {store.folder}: {store.fraction_filled:.0%} of {len(train)} sequences filled "
+                  f"({copied} copied from other stores of the same target and settings)", flush=True)
 
     def batch_features(idx):
         return features_for_batch(store, idx, train, target, cfg, device, autocast, args.pad_id, loss_head, teacher_k)
