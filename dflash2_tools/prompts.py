@@ -167,14 +167,6 @@ PROMPT_SETS = {
     "sharegpt-dev": lambda: sharegpt_prompts("dev"),
 }
 
-# prompt sources the data engine answers with the target (training side only)
-TRAINING_PROMPT_SOURCES = {
-    "sharegpt-first-turns": lambda: sharegpt_prompts("train"),
-    "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
-    "sharegpt-code-math": lambda: _code_math_prompts("train"),
-    "python-stubs": lambda: _python_stub_prompts(),
-}
-
 
 def _code_math_prompts(split: str) -> list[dict]:
     from .prompt_domains import sharegpt_code_math_prompts  # imported here: prompt_domains builds on this module
@@ -186,6 +178,22 @@ def _python_stub_prompts() -> list[dict]:
     from .prompt_stubs import python_stub_prompts  # imported here: it builds on prompt_domains, which builds on this module
 
     return python_stub_prompts()
+
+
+def _school_math_prompts() -> list[dict]:
+    from .prompt_school_math import school_math_prompts  # imported here: it builds on prompt_domains, which builds on this module
+
+    return school_math_prompts()
+
+
+# prompt sources the data engine answers with the target (training side only)
+TRAINING_PROMPT_SOURCES = {
+    "sharegpt-first-turns": lambda: sharegpt_prompts("train"),
+    "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
+    "sharegpt-code-math": lambda: _code_math_prompts("train"),
+    "python-stubs": _python_stub_prompts,
+    "school-math": _school_math_prompts,
+}
 
 
 def load_prompt_set(name: str) -> list[dict]:

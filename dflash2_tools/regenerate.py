@@ -43,6 +43,10 @@ def prompt_set_description(name: str) -> str:
         from .prompt_stubs import source_description
 
         return source_description()
+    if name == "school-math":  # the committed question list, named by its digest
+        from .prompt_school_math import source_description as school_math_description
+
+        return school_math_description()
     return PROMPT_SET_META[name]
 
 
@@ -117,7 +121,8 @@ def main(argv=None):
     ap.add_argument("--prompts", default="sharegpt-first-turns", choices=sorted(TRAINING_PROMPT_SOURCES),
                     help="sharegpt-all-turns: every human turn with its history (55.7K prompts; the oldest "
                     "exchanges are dropped to fit --max-prompt-tokens); sharegpt-code-math: turns asking for code or math; "
-                    "python-stubs: HumanEval-form function stubs from library source (prompt_stubs.py); default: first turns "
+                    "python-stubs: HumanEval-form function stubs from library source (prompt_stubs.py); school-math: mathematics_dataset "
+                    "training-split questions (prompt_school_math.py); default: first turns "
                     "only (the earlier folders)")
     ap.add_argument("--limit", type=int, default=None, help="number of training prompts after --offset (default: all)")
     ap.add_argument("--offset", type=int, default=0,

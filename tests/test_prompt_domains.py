@@ -9,11 +9,12 @@ import re
 import pytest
 from conftest import root
 
-from dflash2_tools import prompt_domains, prompt_stubs
+from dflash2_tools import prompt_domains, prompt_school_math, prompt_stubs
 from dflash2_tools.regenerate import load_chunks
 
 CODE_MATH_DATA = root.REPO_ROOT / "data" / "smollm2-sharegpt-code-math-128"
 STUB_DATA = root.REPO_ROOT / "data" / "smollm2-python-stubs-128"
+SCHOOL_MATH_DATA = root.REPO_ROOT / "data" / "smollm2-school-math-128"
 
 
 def test_domain_classifier():
@@ -75,16 +76,9 @@ def test_python_stub_keeps_signature_and_docstring_not_body():
     compile(text, "<stub>", "exec")  # the stub is valid Python (a function whose body is its docstring)
 
 
-@pytest.mark.parametrize("folder", [CODE_MATH_DATA, STUB_DATA], ids=["sharegpt-code-math", "python-stubs"])
-def test_committed_code_math_data_holds_no_evaluation_prompt(folder):
-    if not list(folder.glob("chunk_*.npz")):
-        pytest.skip(f"no chunk of {folder.name} is committed yet")
-    """Every committed training prompt, decoded, against every HumanEval and CHAMP prompt: no evaluation prompt has
-    30% of its 40-character windows inside a training prompt (a positive control shows the check finds one)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(root.REPO_ROOT)
-    prompts = [tokenizer.decode(tokens[:length]) for tokens, length in load_chunks(folder)]
+def assert_no_evaluation_prompt(prompts: list[str]) -> None:
+    """No HumanEval or CHAMP prompt has 30% of its 40-character windows inside one of ``prompts``
+    (a positive control shows the check finds one)."""
     assert len(prompts) >= 32
     train_grams = [char_grams(p) for p in prompts]
     index = {}
@@ -110,3 +104,39 @@ def test_committed_code_math_data_holds_no_evaluation_prompt(folder):
     for g in train_grams[-1]:
         index.setdefault(g, set()).add(len(train_grams) - 1)
     assert worst_overlap(some) > 0.9
+
+
+@pytest.mark.parametrize("folder", [CODE_MATH_DATA, STUB_DATA, SCHOOL_MATH_DATA],
+                         ids=["sharegpt-code-math", "python-stubs", "school-math"])
+def test_committed_code_math_data_holds_no_evaluation_prompt(folder):
+    """Every committed training prompt, decoded, against every HumanEval and CHAMP prompt."""
+    if not list(folder.glob("chunk_*.npz")):
+        pytest.skip(f"no chunk of {folder.name} is committed yet")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root.REPO_ROOT)
+    assert_no_evaluation_prompt([tokenizer.decode(tokens[:length]) for tokens, length in load_chunks(folder)])
+
+
+def test_committed_school_math_list_holds_no_evaluation_prompt():
+    """The whole committed question list (not only the answered part): distinct, math, no evaluation prompt."""
+    records = prompt_school_math.school_math_prompts()
+    questions = [r["messages"][-1]["content"] for r in records]
+    assert len(records) > 1500 and len(set(questions)) == len(questions) == len({r["id"] for r in records})
+    assert all(r["domain"] == "math" and r["messages"][-1]["role"] == "user" for r in records)
+    assert_no_evaluation_prompt(questions)
+
+
+def test_school_math_samples_the_generators_training_split():
+    """The generator still runs under today's sympy/numpy (the shim), from its training modules only, every
+    difficulty, questions within the generator's length cap; a module that raises is left out, not fatal."""
+    pytest.importorskip("mathematics_dataset")
+    pairs = prompt_school_math.school_math_questions(per_module_level=1)
+    keys = {key for key, _ in pairs}
+    modules = {key.split("/")[0] for key in keys}
+    assert len(modules) >= 40 and {key.split("/")[1] for key in keys} == set(prompt_school_math.LEVELS)
+    assert {"algebra__linear_1d", "numbers__gcd", "probability__swr_p_sequence"} <= modules
+    assert all(0 < len(q) <= prompt_school_math.MAX_QUESTION_CHARS for _, q in pairs)
+    # the committed list came from the same modules (a re-sample under other versions would show here)
+    committed = {r["id"].split("/")[1] for r in prompt_school_math.school_math_prompts()}
+    assert modules <= committed and len(committed - modules) <= 2  # the generator is not reproducible (see its module)

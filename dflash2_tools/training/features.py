@@ -151,12 +151,10 @@ class FeatureStore:
             meta = json.loads(index_path.read_text())
             if (meta["settings"], meta["width"], meta["teacher_k"]) != (self.settings, self.features.shape[1], self.teacher_k):
                 continue
-            other_filled = np.load(other_folder / "filled.npy") if (other_folder / "filled.npy").exists() else None
-            hits = [(wanted.pop(d), j) for j, d in enumerate(meta["digests"])
-                    if d in wanted and other_filled is not None and other_filled[j]]
+            other = FeatureStore(other_folder, meta["lengths"], self.features.shape[1], self.teacher_k)
+            hits = [(wanted.pop(d), j) for j, d in enumerate(meta["digests"]) if d in wanted and other.filled[j]]
             if not hits:
                 continue
-            other = FeatureStore(other_folder, meta["lengths"], self.features.shape[1], self.teacher_k)
             for i, j in hits:
                 lo, hi = self.offsets[i], self.offsets[i + 1]
                 olo, ohi = other.offsets[j], other.offsets[j + 1]
