@@ -26,28 +26,25 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import prompt_school_math, prompt_stubs
 from .precision import resolve_dtype
 from .prompts import TRAINING_PROMPT_SOURCES, trim_history
 from .target import EMBEDDED_TARGET, load_target
 
 CHUNK = 64
-PROMPT_SET_META = {  # what meta.json says (the first-turn text is the earlier folders' own, so they resume)
-    "sharegpt-first-turns": "sharegpt-train (first human turn)",
-    "sharegpt-all-turns": "sharegpt-train (every human turn, history trimmed to the prompt budget)",
-    "sharegpt-code-math": "sharegpt-train turns asking for code or math (prompt_domains.py), evaluation near-duplicates dropped",
+# what meta.json says of each prompt source (the fixed texts are the earlier folders' own, so those resume); called,
+# because the generated sources name what they came from: the stubs their library versions, school-math its list digest
+PROMPT_SET_DESCRIPTIONS = {
+    "sharegpt-first-turns": lambda: "sharegpt-train (first human turn)",
+    "sharegpt-all-turns": lambda: "sharegpt-train (every human turn, history trimmed to the prompt budget)",
+    "sharegpt-code-math": lambda: "sharegpt-train turns asking for code or math (prompt_domains.py), evaluation near-duplicates dropped",
+    "python-stubs": prompt_stubs.source_description,
+    "school-math": prompt_school_math.source_description,
 }
 
 
 def prompt_set_description(name: str) -> str:
-    if name == "python-stubs":  # the stubs change with the installed library versions, which it names
-        from .prompt_stubs import source_description
-
-        return source_description()
-    if name == "school-math":  # the committed question list, named by its digest
-        from .prompt_school_math import source_description as school_math_description
-
-        return school_math_description()
-    return PROMPT_SET_META[name]
+    return PROMPT_SET_DESCRIPTIONS[name]()
 
 
 def encode_prompt(tokenizer, messages) -> list[int]:

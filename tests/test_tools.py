@@ -237,3 +237,19 @@ def test_acceptance_history_fits_log_tokens_and_extrapolates_to_the_goal(tmp_pat
     assert r["fit_per_doubling"] == pytest.approx(0.25)  # +0.25 per doubling: 3.0 is 4 doublings after 4M
     assert r["tokens_for_goal_by_fit"] == pytest.approx(64_000_000)
     assert (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_every_prompt_source_has_a_description_and_the_committed_folders_resume_under_it():
+    """meta.json's ``prompt_set`` must equal today's description of its source, or resuming a folder is refused."""
+    import re
+
+    from dflash2_tools import regenerate
+    from dflash2_tools.drafter import REPO_ROOT
+
+    assert set(regenerate.PROMPT_SET_DESCRIPTIONS) == set(regenerate.TRAINING_PROMPT_SOURCES)
+    unversioned = lambda text: re.sub(r"\d+(\.\d+)+", "N", text)  # noqa: E731 -- stub sources name library versions
+    known = {unversioned(regenerate.prompt_set_description(name)) for name in regenerate.TRAINING_PROMPT_SOURCES}
+    folders = sorted((REPO_ROOT / "data").glob("*/meta.json"))
+    assert len(folders) >= 5
+    for meta_path in folders:
+        assert unversioned(json.loads(meta_path.read_text())["prompt_set"]) in known, meta_path
