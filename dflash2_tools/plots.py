@@ -5,6 +5,8 @@
     python -m dflash2_tools.plots learning-curve docs/train_log_smollm2.jsonl runs/smollm2-v2/log.jsonl
     # the plain-call acceptance of each shipped run against the tokens all runs so far trained on
     python -m dflash2_tools.plots acceptance-history docs/training/history.json --out docs/training/acceptance_history.png
+    # the same per evaluation set (HumanEval, CHAMP, ShareGPT-dev) for the runs that measured them, against their goals
+    python -m dflash2_tools.plots per-set-history docs/training/history_code_math.json
 """
 
 from __future__ import annotations
@@ -135,6 +137,75 @@ def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 
     return result
 
 
+def per_set_history(history_path: str | Path, out: str | Path, goals: dict[str, float]) -> dict:
+    """Plain-call acceptance on each evaluation set across the runs that measured it, against cumulative training
+    tokens (log scale), with a log-linear fit per set over those runs and where each fit meets its goal.
+
+    ``history.json`` as for :func:`acceptance_history`; a run that measured the sets carries
+    ``"per_set": {"humaneval": "path/to/acceptance.json", ...}`` (files written by ``python -m
+    dflash2_tools.acceptance``, paths relative to the history file), and only those runs are drawn.
+    """
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history_path = Path(history_path)
+    runs = json.loads(history_path.read_text())["runs"]
+    total, points = 0, []  # (cumulative tokens, run name, {set: acceptance})
+    for run in runs:
+        total += read_jsonl(history_path.parent / run["log"])[-1]["tokens_seen"]
+        if "per_set" in run:
+            sets = {name: json.loads((history_path.parent / path).read_text())["mean_acceptance_length"]
+                    for name, path in run["per_set"].items()}
+            points.append((total, run["name"], sets))
+    missing = [name for name in goals if sum(name in sets for _, _, sets in points) < 2]
+    if missing:
+        raise ValueError(f"{history_path}: a fit needs two runs that measured each set; too few for {missing}")
+    fig, ax = plt.subplots(figsize=(9.0, 4.4))
+    result = {"runs": [name for _, name, _ in points], "cumulative_tokens": [x for x, _, _ in points], "sets": {}}
+    for (name, goal), color in zip(goals.items(), ("C0", "C1", "C2", "C3", "C4")):
+        xs = [x for x, _, sets in points if name in sets]
+        ys = [sets[name] for _, _, sets in points if name in sets]
+        a, b = log_linear_fit(xs, ys)
+        needed = 2 ** ((goal - a) / b) if b > 0 else float("inf")
+        result["sets"][name] = {"acceptance": ys, "fit_intercept": a, "fit_per_doubling": b, "goal": goal,
+                                "tokens_for_goal_by_fit": needed}
+        ax.plot([x / 1e6 for x in xs], ys, "o-", color=color, label=f"{name} ({b:+.3f} per doubling)")
+        ax.axhline(goal, color=color, lw=0.8, ls=":", label=f"{name} goal {goal:g}")
+        ax.plot([x / 1e6 for x in xs], [a + b * math.log2(x) for x in xs], "--", color=color, lw=0.8)
+    for x, run_name, _ in points:
+        ax.annotate(run_name, (x / 1e6, ax.get_ylim()[0]), textcoords="offset points", xytext=(2, 4), fontsize=7, rotation=90)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set(xlabel="cumulative training tokens (millions; log scale)", ylabel="accepted tokens per target forward",
+           title="Plain-call acceptance per set (dotted: goals; dashed: log-linear fits)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the points fill the axes
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def parse_goals(pairs: list[str]) -> dict[str, float]:
+    """``["humaneval=2.0", ...]`` -> ``{"humaneval": 2.0, ...}``, with an error that names a malformed pair."""
+    goals = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        try:
+            goals[name] = float(value)
+        except ValueError:
+            name = ""
+        if not name:
+            raise ValueError(f"--goals takes SET=NUMBER pairs such as humaneval=2.0; got {pair!r}")
+    return goals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -146,6 +217,11 @@ def main(argv=None):
     ah.add_argument("history", help="history.json: the shipped runs in order, their logs and plain-call acceptance")
     ah.add_argument("--out", default="docs/training/acceptance_history.png")
     ah.add_argument("--goal", type=float, default=3.0)
+    ps = sub.add_parser("per-set-history")
+    ps.add_argument("history", help="history.json whose runs carry per_set acceptance files")
+    ps.add_argument("--out", default="docs/training/acceptance_per_set.png")
+    ps.add_argument("--goals", nargs="+", default=["humaneval=2.0", "champ=1.9", "sharegpt-dev=1.9"],
+                    help="SET=GOAL for each set to draw (default: issue 29's goals)")
     args = ap.parse_args(argv)
     if args.cmd == "learning-curve":
         if args.names and len(args.names) != len(args.log):
@@ -157,6 +233,17 @@ def main(argv=None):
         print(f"fit: acceptance = {r['fit_intercept']:.3f} + {r['fit_per_doubling']:.3f} log2(tokens); "
               f"{args.goal:g} reached at {r['tokens_for_goal_by_fit'] / 1e6:,.0f}M training tokens "
               f"({r['tokens_for_goal_by_fit'] / r['cumulative_tokens'][-1]:.0f}x all runs so far)")
+    elif args.cmd == "per-set-history":
+        try:
+            goals = parse_goals(args.goals)
+        except ValueError as err:
+            ap.error(str(err))
+        r = per_set_history(args.history, args.out, goals)
+        for name, fit in r["sets"].items():
+            where = (f"at or above its goal {fit['goal']:g} now" if fit["acceptance"][-1] >= fit["goal"] else
+                     f"goal {fit['goal']:g} reached at {fit['tokens_for_goal_by_fit'] / 1e6:,.1f}M training tokens by the "
+                     f"fit ({fit['tokens_for_goal_by_fit'] / r['cumulative_tokens'][-1]:.2f}x all runs so far)")
+            print(f"{name}: last {fit['acceptance'][-1]:.3f}, fit {fit['fit_per_doubling']:+.3f} per doubling of tokens; {where}")
 
 
 if __name__ == "__main__":

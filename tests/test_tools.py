@@ -239,6 +239,32 @@ def test_acceptance_history_fits_log_tokens_and_extrapolates_to_the_goal(tmp_pat
     assert (tmp_path / "h.png").stat().st_size > 0
 
 
+def test_per_set_history_fits_each_set_over_the_runs_that_measured_it(tmp_path):
+    from dflash2_tools import plots
+
+    runs = []
+    for i, (tokens, code, math_) in enumerate([(1_000_000, None, None), (1_000_000, 1.5, 1.6), (2_000_000, 1.6, 1.6)]):
+        (tmp_path / f"log{i}.jsonl").write_text(json.dumps({"step": 1, "tokens_seen": tokens}) + "\n")
+        run = {"name": f"run {i + 1}", "log": f"log{i}.jsonl", "plain_call_acceptance": 2.0}
+        if code is not None:  # the first run measured no set: it adds tokens, not points
+            for name, value in (("code", code), ("math", math_)):
+                (tmp_path / f"{name}{i}.json").write_text(json.dumps({"mean_acceptance_length": value}))
+            run["per_set"] = {"code": f"code{i}.json", "math": f"math{i}.json"}
+        runs.append(run)
+    (tmp_path / "history.json").write_text(json.dumps({"runs": runs}))
+    r = plots.per_set_history(tmp_path / "history.json", tmp_path / "p.png", {"code": 2.0, "math": 1.9})
+    assert r["cumulative_tokens"] == [2_000_000, 4_000_000]
+    assert r["sets"]["code"]["fit_per_doubling"] == pytest.approx(0.1)  # 1.6 at 4M, +0.1 per doubling: 2.0 at 64M
+    assert r["sets"]["code"]["tokens_for_goal_by_fit"] == pytest.approx(64_000_000)
+    assert r["sets"]["math"]["tokens_for_goal_by_fit"] == float("inf")  # flat: no fit reaches the goal
+    assert (tmp_path / "p.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="too few for \\['ood'\\]"):
+        plots.per_set_history(tmp_path / "history.json", tmp_path / "p.png", {"ood": 2.0})
+    with pytest.raises(ValueError, match="SET=NUMBER"):
+        plots.parse_goals(["humaneval:2.0"])
+    assert plots.parse_goals(["humaneval=2.0", "champ=1.9"]) == {"humaneval": 2.0, "champ": 1.9}
+
+
 def test_every_prompt_source_has_a_description_and_the_committed_folders_resume_under_it():
     """meta.json's ``prompt_set`` must equal today's description of its source, or resuming a folder is refused."""
     import re
