@@ -22,6 +22,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def save_figure(fig, out: str | Path, data) -> None:
+    """The PNG at ``out`` and the numbers drawn, as JSON, beside it (``.json``)."""
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+
+
 def learning_curve(log_paths, out: str | Path, names: list[str] | None = None) -> list[dict]:
     """Dev acceptance length vs training tokens and vs training CPU-hours; also writes the numbers as JSON.
 
@@ -74,11 +83,7 @@ def learning_curve(log_paths, out: str | Path, names: list[str] | None = None) -
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("DFlash 2 drafter learning curve (held-out regenerated data)")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    out.with_suffix(".json").write_text(json.dumps(points, indent=1))
+    save_figure(fig, out, points)
     return points
 
 
@@ -127,13 +132,9 @@ def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 
            title="Plain-call acceptance against training tokens (log-linear)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
     result = {"cumulative_tokens": xs, "plain_call_acceptance": ys, "fit_intercept": a, "fit_per_doubling": b,
               "goal": goal, "tokens_for_goal_by_fit": needed}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    save_figure(fig, out, result)
     return result
 
 
@@ -184,11 +185,7 @@ def per_set_history(history_path: str | Path, out: str | Path, goals: dict[str, 
            title="Plain-call acceptance per set (dotted: goals; dashed: log-linear fits)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the points fill the axes
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    save_figure(fig, out, result)
     return result
 
 
