@@ -166,7 +166,8 @@ def per_set_history(history_path: str | Path, out: str | Path, goals: dict[str, 
         raise ValueError(f"{history_path}: a fit needs two runs that measured each set; too few for {missing}")
     fig, ax = plt.subplots(figsize=(9.0, 4.4))
     result = {"runs": [name for _, name, _ in points], "cumulative_tokens": [x for x, _, _ in points], "sets": {}}
-    for (name, goal), color in zip(goals.items(), ("C0", "C1", "C2", "C3", "C4")):
+    for index, (name, goal) in enumerate(goals.items()):
+        color = f"C{index % 10}"  # matplotlib's default cycle: every set drawn, however many
         xs = [x for x, _, sets in points if name in sets]
         ys = [sets[name] for _, _, sets in points if name in sets]
         a, b = log_linear_fit(xs, ys)

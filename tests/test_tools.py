@@ -258,6 +258,12 @@ def test_per_set_history_fits_each_set_over_the_runs_that_measured_it(tmp_path):
     assert r["sets"]["code"]["tokens_for_goal_by_fit"] == pytest.approx(64_000_000)
     assert r["sets"]["math"]["tokens_for_goal_by_fit"] == float("inf")  # flat: no fit reaches the goal
     assert (tmp_path / "p.png").stat().st_size > 0
+    many = {f"set{k}": 2.0 for k in range(7)}  # more sets than one colour list would hold: none may be dropped
+    for run in runs[1:]:
+        for name in many:
+            run["per_set"][name] = run["per_set"]["code"]
+    (tmp_path / "history.json").write_text(json.dumps({"runs": runs}))
+    assert set(plots.per_set_history(tmp_path / "history.json", tmp_path / "p.png", many)["sets"]) == set(many)
     with pytest.raises(ValueError, match="too few for \\['ood'\\]"):
         plots.per_set_history(tmp_path / "history.json", tmp_path / "p.png", {"ood": 2.0})
     with pytest.raises(ValueError, match="SET=NUMBER"):
