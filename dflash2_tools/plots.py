@@ -95,6 +95,21 @@ def log_linear_fit(xs, ys) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def tokens_for_goal(intercept: float, per_doubling: float, goal: float) -> float:
+    """Where ``intercept + per_doubling * log2(tokens)`` reaches ``goal`` (infinite for a flat or falling fit)."""
+    return 2 ** ((goal - intercept) / per_doubling) if per_doubling > 0 else float("inf")
+
+
+def cumulative_tokens(history_path: Path, runs: list[dict]) -> list[int]:
+    """Training tokens of all runs up to and including each one: a run's are its log's last ``tokens_seen``
+    (``log`` relative to the history file; an absolute path stays absolute)."""
+    totals, total = [], 0
+    for run in runs:
+        total += read_jsonl(history_path.parent / run["log"])[-1]["tokens_seen"]
+        totals.append(total)
+    return totals
+
+
 def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 3.0) -> dict:
     """Plain-call acceptance of consecutive runs against cumulative training tokens (log scale).
 
@@ -109,16 +124,12 @@ def acceptance_history(history_path: str | Path, out: str | Path, goal: float = 
 
     history_path = Path(history_path)
     runs = json.loads(history_path.read_text())["runs"]
-    total, xs, ys = 0, [], []
-    for run in runs:
-        last = read_jsonl(history_path.parent / run["log"])[-1]  # an absolute "log" stays absolute
-        total += last["tokens_seen"]
-        xs.append(total)
-        ys.append(run["plain_call_acceptance"])
+    xs = cumulative_tokens(history_path, runs)
+    ys = [run["plain_call_acceptance"] for run in runs]
     if len(xs) < 2:
         raise ValueError(f"{history_path}: a fit needs at least two runs, got {len(xs)}")
     a, b = log_linear_fit(xs, ys)
-    needed = 2 ** ((goal - a) / b) if b > 0 else float("inf")
+    needed = tokens_for_goal(a, b, goal)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot([x / 1e6 for x in xs], ys, "o-", label="shipped runs (plain call, 12 ShareGPT-dev prompts, fp32)")
     for x, y, run in zip(xs, ys, runs):
@@ -154,9 +165,8 @@ def per_set_history(history_path: str | Path, out: str | Path, goals: dict[str, 
 
     history_path = Path(history_path)
     runs = json.loads(history_path.read_text())["runs"]
-    total, points = 0, []  # (cumulative tokens, run name, {set: acceptance})
-    for run in runs:
-        total += read_jsonl(history_path.parent / run["log"])[-1]["tokens_seen"]
+    points = []  # (cumulative tokens, run name, {set: acceptance})
+    for total, run in zip(cumulative_tokens(history_path, runs), runs):
         if "per_set" in run:
             sets = {name: json.loads((history_path.parent / path).read_text())["mean_acceptance_length"]
                     for name, path in run["per_set"].items()}
@@ -171,7 +181,7 @@ def per_set_history(history_path: str | Path, out: str | Path, goals: dict[str, 
         xs = [x for x, _, sets in points if name in sets]
         ys = [sets[name] for _, _, sets in points if name in sets]
         a, b = log_linear_fit(xs, ys)
-        needed = 2 ** ((goal - a) / b) if b > 0 else float("inf")
+        needed = tokens_for_goal(a, b, goal)
         result["sets"][name] = {"acceptance": ys, "fit_intercept": a, "fit_per_doubling": b, "goal": goal,
                                 "tokens_for_goal_by_fit": needed}
         ax.plot([x / 1e6 for x in xs], ys, "o-", color=color, label=f"{name} ({b:+.3f} per doubling)")
