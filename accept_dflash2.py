@@ -2,8 +2,8 @@
 
 After a verification forward over a token tree (``tree_dflash2.TokenTree``; a chain is a tree with one child per node):
 
-    1. process: the logits processors see each node's own prefix after the committed sequence; nodes of one depth
-       share a prefix length, so they are processed in one call (calls per step <= the tree's depth, not its size)
+    1. process: the logits processors see each node's own prefix after the row's committed sequence
+       (``process_tree``)
     2. choose, on the device, for EVERY node at once: greedy x_i = argmax p_i; sampling x_i ~ p_i; a node whose one
        child c was SAMPLED from a known q (a chain drafted at temperature > 0) takes the speculative-sampling rule:
        x_i = c w.p. min(1, p_i(c) / q_i(c)), else x_i ~ norm(max(p_i - q_i, 0))
@@ -21,23 +21,38 @@ from __future__ import annotations
 import torch
 
 
-def process_nodes(tree, raw: torch.Tensor, committed: torch.Tensor, logits_processor) -> torch.Tensor:
-    """Processed logits [N, V] of every node from the verification logits ``raw`` [N, V] (fp32).
+def as_row(fn, ids: list[int], row: int, rows: int, device, scores: torch.Tensor | None = None):
+    """``fn(input_ids, scores)`` (a logits-processor or stopping-criteria list) for ONE row of the caller's batch.
 
-    ``committed`` [1, T]: the committed sequence; node i's processors see it followed by the tree tokens from the
-    root's child down to node i. ``logits_processor`` empty: the raw rows."""
+    Processors may hold per-row state sized for the caller's batch (``prompt_ignore_length``, per-row prefixes), and
+    rows here have different lengths, so the call gets a full-size batch whose every row is this row's sequence,
+    and answers with row ``row``: what transformers' loop would compute for that row at that length."""
+    batch_ids = torch.tensor([ids], device=device).expand(rows, -1)  # [rows, T]
+    if scores is None:
+        return fn(batch_ids, None)[row]
+    return fn(batch_ids, scores[None].expand(rows, -1).clone())[row]  # [V]
+
+
+def process_tree(logits: torch.Tensor, tree, prefix: list[int], row: int, rows: int, logits_processor) -> torch.Tensor:
+    """Processed logits [N, V] of one row's tree (``logits`` [N, V], fp32): node k's processors see the row's sequence
+    ``prefix`` followed by the tree tokens from the root's child down to node k.
+
+    A call of one row (``rows == 1``) processes the nodes of one depth together (they share a length: calls per step
+    <= the tree's depth); in a batch each node goes through ``as_row``, since processors may keep per-row state."""
     if not len(logits_processor):
-        return raw
+        return logits
     prefixes = tree.prefixes()
-    out = torch.empty_like(raw)
+    if rows > 1:
+        return torch.stack([as_row(logits_processor, prefix + path, row, rows, logits.device, logits[k])
+                            for k, path in enumerate(prefixes)])  # [N, V]
+    out = torch.empty_like(logits)
     by_depth: dict[int, list[int]] = {}
     for i, depth in enumerate(tree.depths):
         by_depth.setdefault(depth, []).append(i)
     for depth, nodes in by_depth.items():
-        tails = torch.tensor([prefixes[i] for i in nodes], dtype=committed.dtype).view(len(nodes), depth)  # [n_d, depth]
-        ids = torch.cat([committed.expand(len(nodes), -1), tails.to(committed.device)], dim=1)  # [n_d, T + depth]
-        index = torch.tensor(nodes, device=raw.device)
-        out[index] = logits_processor(ids, raw[index].clone())  # [n_d, V]
+        ids = torch.tensor([prefix + prefixes[i] for i in nodes], device=logits.device)  # [n_d, T + depth]
+        index = torch.tensor(nodes, device=logits.device)
+        out[index] = logits_processor(ids, logits[index].clone())  # [n_d, V]
     return out
 
 
@@ -80,12 +95,3 @@ def walk(tree, choices: list[int]) -> tuple[list[int], int]:
             return path, choices[node]
         path.append(child)
         node = child
-
-
-def accept(tree, logits: torch.Tensor, committed: torch.Tensor, logits_processor, do_sample: bool,
-           log_q: torch.Tensor | None = None, generator=None) -> tuple[list[int], int, torch.Tensor]:
-    """(accepted path, bonus token, processed logits [N, V]) of one verified tree: steps 1-3, one host transfer."""
-    processed = process_nodes(tree, logits, committed, logits_processor)
-    choices = target_choices(tree, processed, do_sample, log_q, generator).tolist()  # the one transfer
-    path, bonus = walk(tree, choices)
-    return path, bonus, processed

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from .ngram_dflash2 import StepCosts
+
 MEASURE_SECONDS = 0.3  # stop adding rounds past this, once MIN_ROUNDS are in
 MIN_ROUNDS, MAX_ROUNDS = 2, 3
 # A batch's rule sits near break-even on a CPU (a batch of long proposals costs about what it saves), where two
@@ -172,7 +174,7 @@ def step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) ->
 
     ``rows`` > 1 (a batch): the costs of verifying every row at once, in units of a plain batched step. A batch is
     measured whenever one row would be measured or looked up in the table (the table holds one-row numbers); a
-    configured dict is scaled by token count (``batch_proposer_dflash2.batch_step_costs``, by the caller).
+    configured dict is scaled by token count (``batch_step_costs``, by ``batch_costs``).
 
     ``lm_head``: the draft head (None: built from the target's when a measurement needs it)."""
     configured = drafter.config.hybrid_settings()["costs"]
@@ -191,9 +193,32 @@ def step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) ->
     return dict(_MEASURED[key]), "measured" if rows == 1 else f"measured at batch {rows}"
 
 
+def batch_step_costs(costs: StepCosts, rows: int) -> StepCosts:
+    """One row's costs (unit: a one-token forward of one row) -> a batch's (unit: a plain step of ``rows`` rows).
+
+    The cost model prices a forward over m >= 2 tokens at ``1 + multi_token_step + per_token * (m - 1)`` one-token
+    forwards. A batch verifying L drafted tokens per row runs ``rows * (1 + L)`` tokens where a plain batched step
+    runs ``rows``: ``1 + per_token * rows * L / D`` plain steps, with D the plain step's own price. A draft is
+    taken to scale like the target (its share of a step stays ``draft``)."""
+    if rows == 1:
+        return costs
+    plain = 1.0 + costs.multi_token_step + costs.per_token * (rows - 1)
+    return StepCosts(multi_token_step=0.0, per_token=costs.per_token * rows / plain, draft=costs.draft)
+
+
+def batch_costs(target, drafter, lm_head, device, rows: int) -> tuple[StepCosts, dict, str]:
+    """(the batch's StepCosts, the costs as found, their source) for a batch of ``rows``: measured at this batch
+    size they are already the batch's; a configured dict or the one-row table is scaled (``batch_step_costs``)."""
+    costs, source = step_costs(target, drafter, lm_head, device, rows)
+    step = StepCosts(**rule_costs(costs))
+    if source == "config" or source == "table":
+        step = batch_step_costs(step, rows)
+    return step, costs, source
+
+
 def rule_costs(costs: dict) -> dict:
     """The three numbers the cost model takes (a measurement also carries its one-token time)."""
     return {k: costs[k] for k in ("multi_token_step", "per_token", "draft")}
 
 
-__all__ = ["cpu_has_native_bf16", "fit_costs", "measure_step_costs", "rule_costs", "step_costs", "table_step_costs"]
+__all__ = ["batch_costs", "batch_step_costs", "cpu_has_native_bf16", "fit_costs", "measure_step_costs", "rule_costs", "step_costs", "table_step_costs"]

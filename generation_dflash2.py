@@ -1,14 +1,14 @@
 """DFlash 2 speculative generation for ``target.generate(**inputs, assistant_model=drafter)``.
 
-transformers 5.23 gives a remote-code assistant no hook of its own, so importing this module wraps three
+transformers 5.23 gives a remote-code assistant no hook of its own, so importing this module wraps two
 ``GenerationMixin`` methods once; when, and only when, the assistant is a DFlash 2 drafter:
 
 * ``_validate_generation_mode``: only greedy decoding and sampling, clear errors otherwise; the pairing is
   checked; stateful targets (linear attention) pass, since ``rollback_dflash2`` rolls their state back exactly
-* ``_assisted_decoding``: the call runs ``loop_dflash2.speculative_decoding`` (one loop for one path per step,
-  trees, n-gram continuations, dynamic and static caches, compiled or not) instead of transformers' loop; a
-  batch of prompts runs ``batch_dflash2.batched_speculative_decoding`` (each row accepts its own tokens)
-* ``_get_candidate_generator``: never reached for a DFlash 2 drafter (the loop drafts itself)
+* ``_assisted_decoding``: the call runs ``loop_dflash2.speculative_decoding`` instead of transformers' loop: one
+  loop for one prompt and for a batch (one path or a tree per row and step, n-gram continuations, dynamic and
+  static caches, compiled or not, stateful and sliding-window targets); transformers' candidate generators are
+  never built for a DFlash 2 drafter (the loop drafts itself)
 
 Every other call goes to transformers unchanged (transformers' own DFlash-1 path, ``speculation_type="dflash"``,
 included). The target never runs twice per step: its verification forward also yields the next step's context
@@ -23,10 +23,9 @@ import sys
 from .checks_dflash2 import (TESTED_RANGE_TEXT, TESTED_TRANSFORMERS, check_compatible, check_placement,  # noqa: F401 (API)
                              check_transformers_version, is_dflash2_drafter)
 from .costs_dflash2 import cpu_has_native_bf16  # noqa: F401 (precision.py reads cpu_has_native_bf16 here)
-from .batch_dflash2 import batched_speculative_decoding
-from .batch_proposer_dflash2 import batch_costs
+from .costs_dflash2 import batch_costs
 from .loop_dflash2 import speculative_decoding
-from .proposer_dflash2 import DFlash2Proposer, Draft, context_features, propose, reduce_streams  # noqa: F401 (API)
+from .proposer_dflash2 import Draft, Proposer, context_features, propose, reduce_streams  # noqa: F401 (API)
 from .rollback_dflash2 import check_rollback_supported
 from .stats_dflash2 import DFlash2Stats, collect_stats, trace_proposals  # noqa: F401 (API)
 from .tree_dflash2 import choose_tree_budget, tree_support_problem
@@ -84,8 +83,7 @@ def install_assisted_generation_hook() -> None:
         # two drafter folders each run, and report statistics from, their own generation module
         own = sys.modules.get(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_dflash2", sys.modules[__name__])
         budget = own.decide_tree_budget(self, drafter, generation_config, model_kwargs.get("past_key_values"), input_ids)
-        decode = own.speculative_decoding if input_ids.shape[0] == 1 else own.batched_speculative_decoding
-        return decode(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+        return own.speculative_decoding(self, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
                                         streamer, budget=budget, **model_kwargs)
 
     @functools.wraps(original_validate)
@@ -132,14 +130,13 @@ def dflash2_generate(target, drafter, inputs=None, **generate_kwargs):
 
 
 __all__ = [
-    "DFlash2Proposer",
     "DFlash2Stats",
+    "Proposer",
     "collect_stats",
     "context_features",
     "dflash2_generate",
     "install_assisted_generation_hook",
     "propose",
     "speculative_decoding",
-    "batched_speculative_decoding",
     "trace_proposals",
 ]

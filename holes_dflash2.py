@@ -17,7 +17,7 @@ Works on ``DynamicLayer`` caches (the target's full-attention layers, the drafte
 cache's ``StaticLayer``s (preallocated: the tail is cut by setting the layer's length in place, compaction writes the
 gathered entries back into the first slots; the slots past the length are stale, and the 2D mask, which ends at the
 length, hides them); a layer that keeps more than keys and values (sliding windows, recurrent states, indexers) is
-refused by the batched loop.
+committed in lockstep instead (``loop_dflash2``: no holes), and these functions only crop or select its rows.
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ def kept_mask(kept: list[int], width: int, device) -> torch.Tensor:
 
 
 def crop_tail(cache, n: int) -> None:
-    """Drop the last ``n`` slots of every layer (no row kept them)."""
-    if n <= 0:
-        return
+    """Drop the last ``n`` slots of every layer (no row kept them). Other layers crop themselves: a sliding-window or
+    linear-attention layer that records its past also shrinks back to its working size (even for ``n = 0``)."""
     for layer in cache.layers:
         if type(layer) is StaticLayer:
-            if layer.is_initialized:
+            if layer.is_initialized and n > 0:
                 layer.cumulative_length.sub_(n)  # in place: the stale slots stay, past the length
         else:
             layer.crop(-n)
@@ -98,14 +97,17 @@ def compact(cache, mask: torch.Tensor) -> torch.Tensor:
 
 
 def select_rows(cache, rows: torch.Tensor) -> None:
-    """Keep only batch rows ``rows`` (indices into the current batch) in every layer."""
+    """Keep only batch rows ``rows`` (indices into the current batch) in every layer (sliding windows and recurrent
+    states included: their own ``reorder_cache``)."""
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-            index = rows.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(0, index)  # a static layer gets new (smaller) tensors: eager batches
-            layer.values = layer.values.index_select(0, index)
-            if type(layer) is StaticLayer:
+        if type(layer) is StaticLayer:
+            if layer.is_initialized:
+                index = rows.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(0, index)  # new (smaller) tensors: eager calls only
+                layer.values = layer.values.index_select(0, index)
                 layer.batch_size = len(rows)
+        else:
+            layer.reorder_cache(rows)
 
 
 __all__ = ["compact", "crop_tail", "kept_first", "kept_mask", "positions_from_mask", "select_rows", "should_compact"]

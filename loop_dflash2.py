@@ -1,49 +1,57 @@
-"""The decoding loop behind ``target.generate(**inputs, assistant_model=drafter)``: every mode, one loop.
+"""The decoding loop behind ``target.generate(**inputs, assistant_model=drafter)``: every call, one loop.
 
-A step, after the prefill (batch size 1):
+A call is a batch of rows (one prompt is a batch of one). Rows share every forward but not their progress. A step,
+after the prefill:
 
-    1. propose: a chain (the hybrid rule's choice: block draft, n-gram continuation, or nothing) or a tree
-       (the block's top-K lattice plus the n-gram branch) -- a chain is a tree with one child per node
-    2. verify: ONE target forward over [anchor] + nodes, each node at position past + depth
-    3. accept: the target's choice after every node in one transfer, a walk from the root on the host
-       (``accept_dflash2``): greedy argmax, or exact sampling
-    4. commit: the accepted tokens and the bonus token; the cache keeps the accepted nodes only
-       (tail-only work); their hidden states become the drafter's next context features
+    1. propose, per row: a path (that row's hybrid rule: block draft, n-gram continuation or nothing; the batch
+       verifies one length) or a tree (the row's top-K lattice plus its n-gram branch); ONE drafter forward
+    2. verify: ONE target forward over [rows, W] ([anchor] + the largest proposal; smaller ones padded)
+    3. accept, per row: the target's choice after every node, ONE transfer for the batch, then each row's walk
+       (``accept_dflash2``: greedy argmax, or exact sampling); EOS and length per row
+    4. commit: trees first move each row's accepted nodes to the front of the step's slots; the slots no row kept
+       are cropped; the kept nodes' hidden states become the drafter's next context features
 
-Two ways to verify, picked once per call:
+How rows that accept different numbers of tokens share a cache, decided once per call (``plan_call``):
 
-* the target's own masks (a 2D padding mask): chains on dynamic caches; serves sliding windows, flash kernels
-  and stateful targets (linear attention, rolled back exactly by ``rollback_dflash2``), the cache is cropped;
-* an explicit 4D mask (``tree_dflash2.tree_attention_mask``, SDPA): trees, static caches and compiled calls;
-  the accepted nodes' K/V move into place (``keep_cache_entries``). With ``torch.compile`` (transformers'
-  rule: a static cache on an accelerator, or ``compile_config`` with ``_compile_all_devices``) every
-  verification forward is padded to the next power of two (masked rows), so a handful of graphs (1, 2, 4, ...
-  rows) serves the whole call, and a plain step does not pay for a full block (a CPU is compute-bound).
-  On a static target cache the drafter's context K/V are preallocated as well, and when the target is compiled
-  so is the drafter step (``DFlash2Proposer.preallocate``: its new context padded to a block, one graph).
+* holes (full-attention targets on dynamic or static caches): a row that kept fewer slots than another leaves
+  HOLES its mask hides from then on (``holes_dflash2``); its positions count real entries only, so it computes
+  exactly what it would alone. Verification runs under an explicit mask (``verification_attention``: SDPA for
+  sdpa and flash targets alike).
+* lockstep (one row; stateful targets, whose linear-attention state cannot skip a token; sliding-window caches,
+  whose window counts slots): every row commits the step's LEAST number of tokens (a prefix of what it accepted:
+  still exactly the target's tokens), so the cache stays rectangular and chains run on the target's own kernel
+  and 2D masks; linear-attention states are rolled back and replayed (``rollback_dflash2``).
+
+Static caches serve both: the tail is cut by setting the layers' length. With ``torch.compile`` (transformers' rule:
+a static cache on an accelerator, or ``compile_config`` with ``_compile_all_devices``) every verification forward is
+padded to the next power of two of rows (1, 2, 4, ... up to the widest step), finished rows stay in the batch as
+dead rows (no shape changes), and the drafter step runs one graph on a preallocated cache: a handful of graphs
+serves every call.
+
+The output is transformers' ``generate``'s: finished rows are padded with ``pad_token_id`` up to the longest row;
+streamers get [b] columns, in order; ``return_dict_in_generate`` gives sequences, scores and logits, and for one
+row the cache (a batch's has holes and dropped rows: it could not continue a generation).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from .accept_dflash2 import accept
+from .accept_dflash2 import process_tree, target_choices, walk
 from .attention_dflash2 import verification_attention
-from .proposer_dflash2 import DFlash2Proposer
-from .tree_dflash2 import (add_branch, keep_cache_entries, refuse_unsupported, root_tree, static_cache_length,
+from .holes_dflash2 import compact, crop_tail, kept_first, kept_mask, positions_from_mask, select_rows, should_compact
+from .proposer_dflash2 import Proposer
+from .rollback_dflash2 import LinearStateRollback
+from .tree_dflash2 import (add_branch, refuse_unsupported, root_tree, static_cache_length, target_sliding_window,
                            tree_attention_mask)
 
 
-def refuse_unsupported_call(target, input_ids, generation_config, cache, budget: int) -> None:
-    """What no mode serves, as clear errors before the first forward."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"speculative_decoding runs one row, got batch size {input_ids.shape[0]}: call target.generate(..., "
-            f"assistant_model=drafter), which sends batches to batch_dflash2.batched_speculative_decoding"
-        )
+def refuse_unsupported_call(target, generation_config, cache, budget: int) -> None:
+    """What no call serves, as clear errors before the first forward."""
     if cache is None:
         raise ValueError("DFlash 2 speculative decoding needs the target's cache: pass use_cache=True")
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or generation_config.output_hidden_states):
@@ -61,23 +69,29 @@ def refuse_unsupported_call(target, input_ids, generation_config, cache, budget:
         refuse_unsupported(target, generation_config, cache)
 
 
+MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")  # kernels that take a mask with holes (flash: switched to SDPA)
+
+
+def takes_holes(target, cache) -> bool:
+    """Can rows of this target and cache skip slots (holes), or must they commit in lockstep? Holes need full
+    attention (a window or a recurrent state counts slots, not positions) and a kernel that takes their mask."""
+    if getattr(target, "_is_stateful", False) or target_sliding_window(target.config.get_text_config()) is not None:
+        return False
+    implementation = str(target.config.get_text_config()._attn_implementation)
+    if not (implementation in MASKED_ATTENTION or implementation.startswith("sdpa") or "flash" in implementation):
+        return False
+    return all(type(layer) in (DynamicLayer, StaticLayer) for layer in getattr(cache, "layers", []))
+
+
 def padded_rows(nodes: int, largest: int) -> int:
     """Rows of a compiled verification forward over ``nodes`` nodes: the next power of two, at most ``largest``."""
     return min(1 << (nodes - 1).bit_length(), largest)
 
 
-def fixed_verification_size(proposer: DFlash2Proposer, budget: int) -> int:
-    """Rows of the largest verification forward of this call: the root and the largest proposal."""
-    branch = proposer.ngram_tokens if proposer.ngram is not None else 0
-    if budget:
-        return 1 + budget + branch
-    return 1 + max(proposer.config.block_size - 1, branch)
-
-
 def reserve_verification_slots(cache, generation_config, rows: int) -> None:
-    """Room for a padded verification at the very end: a static cache that ``generate`` made for this call and
-    has not allocated yet gets ``rows`` slots beyond ``max_length`` (a user's cache keeps its size; steps that
-    would not fit it run unpadded, eagerly)."""
+    """Room for the widest verification at the very end: a static cache that ``generate`` made for this call and has
+    not allocated yet gets ``rows`` slots beyond ``max_length`` (a user's cache keeps its size; steps that would not
+    fit it are bounded by its room)."""
     if getattr(cache, "_is_user_defined", False):
         return
     for layer in cache.layers:
@@ -89,142 +103,244 @@ def chain_tree(anchor: int, tokens: list[int]):
     return add_branch(root_tree(anchor), tokens)
 
 
+def stopping_rows(stopping_criteria, sequences: dict[int, list[int]], rows: int, device) -> set[int]:
+    """The caller rows (keys of ``sequences``: row -> its sequence) whose stopping criteria fire. One call and one
+    transfer per group of rows of equal length: the call gets a full-size batch in which each row of the group holds
+    its own sequence (the others repeat one of them), as transformers' loop would show it at that length."""
+    by_length: dict[int, list[int]] = {}
+    for r, ids in sequences.items():
+        by_length.setdefault(len(ids), []).append(r)
+    stopped = set()
+    for group in by_length.values():
+        batch = [sequences[group[0]]] * rows
+        for r in group:
+            batch[r] = sequences[r]
+        fired = stopping_criteria(torch.tensor(batch, device=device), None).tolist()  # [rows]
+        stopped.update(r for r in group if fired[r])
+    return stopped
+
+
 @torch.no_grad()
 def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
                          budget: int = 0, **model_kwargs):
-    """transformers' ``_assisted_decoding`` for a DFlash 2 drafter: same inputs, same outputs, every mode.
+    """transformers' ``_assisted_decoding`` for a DFlash 2 drafter: same inputs and outputs as ``generate`` (module doc).
 
     ``budget``: tree nodes per step (0: one path per step)."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     cache = model_kwargs.get("past_key_values")
-    refuse_unsupported_call(target, input_ids, generation_config, cache, budget)
-    proposer = DFlash2Proposer(target, drafter, generation_config, logits_processor)
-    proposer.stats.mode = f"tree-{budget}" if budget else "linear"
-    rollback = proposer.rollback
+    refuse_unsupported_call(target, generation_config, cache, budget)
+    rows, prompt_length = input_ids.shape
+    device = input_ids.device
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    host_ids, host_mask = input_ids.tolist(), attention_mask.tolist()
+    proposer = Proposer(target, drafter, generation_config,
+                        [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(host_ids, host_mask)])
+    stats = proposer.stats
+    stats.mode = f"tree-{budget}" if budget else "linear"
+    holes = rows > 1 and takes_holes(target, cache)
+    rollback = LinearStateRollback(target, owner=proposer) if getattr(target, "_is_stateful", False) else None
+    # the widest verification step: [anchor] + a tree (+ its n-gram branch) or the longest path
+    longest_draft = drafter.config.block_size - 1 if proposer.adaptive else proposer.draft_limits[0]
+    widest = 1 + (budget + proposer.ngram_tokens if budget else max(longest_draft, proposer.ngram_tokens))
     slots = static_cache_length(cache)  # None: a dynamic cache
-    own_masks = budget == 0 and slots is None  # chains on a dynamic cache: the target's own (2D) masks, crop
     compiled = slots is not None and target._valid_auto_compile_criteria(model_kwargs, generation_config)
-    rows = fixed_verification_size(proposer, budget) if compiled else None
+    reserve_verification_slots(cache, generation_config, widest)  # a static cache generate made gets room for it
+    slots = static_cache_length(cache)
+    compile_config = None
     if compiled:
-        reserve_verification_slots(cache, generation_config, rows)
-        slots = static_cache_length(cache)
         compile_config = generation_config.compile_config or target._default_compile_config()  # what the target gets
         verify_compiled = target.get_compiled_call(compile_config)
     if slots is not None:  # the drafter's context K/V preallocated too; its step compiled with the target's forward
-        proposer.preallocate(generation_config.max_length, compile_config if compiled else None)
+        proposer.preallocate(generation_config.max_length, compile_config)
+    own_masks = not holes and not budget and slots is None  # chains on the target's own kernel and 2D masks
     if own_masks:
         cache.activate_past_recording()  # sliding-window and linear-attention layers keep what a crop may need
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set() if eos is None else set(eos.view(-1).tolist())
+    pad = generation_config._pad_token_tensor
+    pad = int(pad) if pad is not None else (min(eos) if eos else 0)
     return_dict = generation_config.return_dict_in_generate
-    scores = () if return_dict and generation_config.output_scores else None
-    raw_logits = () if return_dict and generation_config.output_logits else None
+    want_scores = return_dict and generation_config.output_scores
+    want_logits = return_dict and generation_config.output_logits
     layers = [i + 1 for i in drafter.config.target_layer_ids]
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    device = input_ids.device
+    greedy_argmax = not do_sample and not len(logits_processor)  # accept by one argmax over the batch
+    generated = [[] for _ in range(rows)]  # per caller row: new tokens (host)
+    row_scores = [[] for _ in range(rows)]
+    row_raw = [[] for _ in range(rows)]
 
-    # prefill: the prompt's features, the first token
-    out = target(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
-                 output_hidden_states=layers, logits_to_keep=1)
-    proposer.pending_features.append(proposer.prompt_features(out.hidden_states, input_ids.shape[1]))
-    raw = out.logits[:, -1].float()
+    # prefill, positioned as transformers' generate positions a left-padded batch
+    out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
+                 past_key_values=cache, use_cache=True, output_hidden_states=layers, logits_to_keep=1)
+    proposer.add_prompt(out.hidden_states, attention_mask)
+    raw = out.logits[:, -1].float()  # [b, V]
     first = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw.clone()
-    token = int(torch.multinomial(torch.softmax(first, -1), 1)) if do_sample else int(first.argmax())
-    new = [token]
-    history = input_ids[0].tolist()  # the sequence on the host, grown by the committed tokens (no per-step transfer)
-    if scores is not None:
-        scores += (first,)
-    if raw_logits is not None:
-        raw_logits += (raw,)
+    tokens = torch.multinomial(torch.softmax(first, -1), 1)[:, 0] if do_sample else first.argmax(-1)  # [b]
+    new = [[t] for t in tokens.tolist()]
+    for r in range(rows):
+        if want_scores:
+            row_scores[r].append(first[r])
+        if want_logits:
+            row_raw[r].append(raw[r])
+    active = list(range(rows))  # caller rows in the batch, in batch order
+    live = [True] * rows  # per place in the batch: still generating (compiled calls keep finished rows as dead rows)
+    kv_mask = attention_mask.long()  # [b, T] 1 = a real entry of the target's cache
+    real = attention_mask.sum(-1).tolist()  # real entries per row (= the next position)
+    streamed = 0
     while True:
-        input_ids = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=device)], dim=1)
-        history += new
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((1, len(new)))], dim=1)
-        if streamer is not None:
-            streamer.put(torch.tensor(new))
-        proposer.stats.new_tokens = input_ids.shape[1] - proposer.prompt_length
-        if stopping_criteria(input_ids, scores).any():
+        # commit the step's tokens; finished rows leave (or stay dead)
+        for i, r in enumerate(active):
+            if live[i]:
+                generated[r] += new[i]
+        unfinished = {r: host_ids[r] + generated[r] for i, r in enumerate(active) if live[i] and not (eos and generated[r][-1] in eos)}
+        stopped = stopping_rows(stopping_criteria, unfinished, rows, device)
+        live = [live[i] and r in unfinished and r not in stopped for i, r in enumerate(active)]
+        streamed = _stream(streamer, generated, [r for i, r in enumerate(active) if live[i]], streamed, pad)
+        if not any(live):
             break
-        room = generation_config.max_length - input_ids.shape[1]  # tokens this step may still add
-        past = input_ids.shape[1] - 1  # the cache holds every committed token but the anchor (on the host: no sync)
-        anchor = new[-1]
+        if not all(live) and not compiled:
+            still = [i for i, alive in enumerate(live) if alive]
+            index = torch.tensor(still, device=device)
+            select_rows(cache, index)
+            kv_mask = kv_mask.index_select(0, index)
+            proposer.keep_rows(still)
+            active, new, real, live = [active[i] for i in still], [new[i] for i in still], [real[i] for i in still], [True] * len(still)
+        anchors = [generated[r][-1] for r in active]
+        limits = [generation_config.max_length - prompt_length - len(generated[r]) - 1 if alive else 0
+                  for r, alive in zip(active, live)]  # drafts that fit
+        if slots is not None:  # a static cache: the step's slots must fit after the holes (compacted when they would not)
+            if holes and kv_mask.shape[1] + widest > slots:
+                kv_mask = compact(cache, kv_mask)
+            limits = [min(limit, slots - kv_mask.shape[1] - 1) for limit in limits]
+        room = None if slots is None else slots - kv_mask.shape[1] - 1  # nodes after the anchor that fit the slots
         if rollback is not None:  # every forward after the prefill needs full conv windows
             rollback.pad_conv_windows(cache)
 
-        # 1. propose
-        t0 = time.perf_counter()
-        tree, path = root_tree(anchor), None
-        space = None if slots is None else slots - past - 1  # nodes a static cache can still take
-        if room > 1 and budget == 0:
-            path = proposer.propose_path(input_ids, attention_mask, room - 1 if space is None else min(room - 1, space),
-                                         history)
-            tree = chain_tree(anchor, path.tokens)
-        elif room > 1:
-            tree = proposer.propose_tree(input_ids, attention_mask, anchor, budget, room - 1, space, history)
-        proposer.stats.draft_seconds += time.perf_counter() - t0
+        # 1. propose (one drafter forward for the batch): a path per row (the row's rule), or a tree per row
+        if budget:
+            proposals, trees = None, proposer.propose_trees(anchors, new, limits, budget, room)
+        else:
+            proposals = proposer.propose(anchors, new, limits)
+            trees = [chain_tree(a, p.tokens) for a, p in zip(anchors, proposals)]
+        width = max(len(tree) for tree in trees)  # [anchor] + the largest proposal
 
-        # 2. verify every node in one forward
-        if rollback is not None and len(tree) > 1:
+        # 2. verify every row in one forward; smaller trees are padded with their anchor (slots that become holes)
+        start = kv_mask.shape[1]  # the step's first slot
+        n_rows = padded_rows(width, widest) if compiled else width
+        padded = compiled and start + n_rows <= slots  # a compiled graph per row count; else an eager forward
+        n_rows = n_rows if padded else width
+        step_ids = torch.tensor([tree.tokens + [tree.tokens[0]] * (n_rows - len(tree)) for tree in trees], device=device)
+        depths = torch.tensor([tree.depths + [0] * (n_rows - len(tree)) for tree in trees], device=device)  # [b, W]
+        positions = torch.tensor(real, device=device)[:, None] + depths  # [b, W]
+        if rollback is not None and width > 1:
             rollback.begin_step(cache)
-        depths = torch.tensor(tree.depths, device=device)
-        n_rows = padded_rows(len(tree), rows) if compiled else len(tree)
-        padded = compiled and past + n_rows <= slots  # a compiled graph per row count; else an eager forward
-        if own_masks:
-            out = target(input_ids=torch.tensor([tree.tokens], device=device), position_ids=(past + depths)[None],
-                         attention_mask=torch.cat([attention_mask, attention_mask.new_ones((1, len(tree) - 1))], dim=1),
+        if own_masks:  # the target's own kernel and masks (a rectangular cache: lockstep)
+            out = target(input_ids=step_ids, position_ids=positions, attention_mask=torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1),
                          past_key_values=cache, use_cache=True, output_hidden_states=layers)
         else:
-            n_rows = n_rows if padded else len(tree)
-            tokens = tree.tokens + [anchor] * (n_rows - len(tree))  # padding rows: masked out, overwritten or dropped
-            positions = past + torch.nn.functional.pad(depths, (0, n_rows - len(tree)))  # [n_rows]
-            with verification_attention(target):
+            if budget or slots is not None:  # each row's tree (a chain is one): its context (holes masked), its ancestors
+                key_length = slots if slots is not None else start + n_rows
+                mask = torch.cat([tree_attention_mask(tree, kv_mask[i], target.dtype, key_length, n_rows)
+                                  for i, tree in enumerate(trees)])  # [b, 1, W, key_length]
+            else:  # chains: the target's causal mask over the step's slots, holes masked
+                mask = torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1)  # [b, T + W]
+            with verification_attention(target):  # packed GQA heads: no copy of the whole cache per layer under the mask
                 out = (verify_compiled if padded else target)(
-                    input_ids=torch.tensor([tokens], device=device), position_ids=positions[None],
-                    attention_mask=tree_attention_mask(tree, attention_mask[0, :past], target.dtype, slots, n_rows),
-                    past_key_values=cache, use_cache=True, output_hidden_states=layers)
-        node_raw = out.logits[0, : len(tree)].float()  # [N, V]: the padding rows' logits go
+                    input_ids=step_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True,
+                    output_hidden_states=layers)
+        logits = out.logits[:, :width].float()  # [b, W, V]
         if padded:
-            node_raw = node_raw.clone()  # a CUDA-graph replay reuses its output memory at the next step
+            logits = logits.clone()  # a CUDA-graph replay reuses its output memory at the next step
 
-        # 3. accept: the target's choice after every node, one transfer, a walk on the host
-        log_q = None if path is None else path.log_q  # [L, V]: the chain's tokens were sampled from the drafter
-        path_nodes, bonus, node_logits = accept(tree, node_raw, input_ids, logits_processor, do_sample, log_q)
-        new = [tree.tokens[i] for i in path_nodes[1:]] + [bonus]
-        new = new[: max(room, 1)]
-        cut = next((k for k, t in enumerate(new) if t in eos), None)
-        if cut is not None:
-            new = new[: cut + 1]
-        n_matches = len(new) - 1
-        keep = path_nodes[: n_matches + 1]  # the root and the accepted nodes whose successors are committed
-
-        # 4. commit: cache entries and drafter features of the kept nodes only
-        if own_masks:
-            cache.crop(-(len(tree) - len(keep)))  # also shrinks sliding-window / conv layers back to their size
-            if rollback is not None:
-                rollback.finish_step(accepted=len(keep), fed=len(tree))
-                proposer.stats.rollback_seconds = rollback.seconds
+        # 3. accept, per row, from the target's choice after every node: ONE transfer for the batch
+        if greedy_argmax:
+            node_logits = logits  # [b, W, V]
+            choices = logits.argmax(-1).tolist()  # [b][W]
         else:
-            keep_cache_entries(cache, past, keep)
-        proposer.pending_features.append(proposer.node_features(out.hidden_states, keep))
-        proposer.record(n_matches, path, tree if budget else None)
-        if scores is not None:
-            scores += tuple(node_logits[i][None] for i in keep)
-        if raw_logits is not None:
-            raw_logits += tuple(node_raw[i][None] for i in keep)
+            node_logits = [process_tree(logits[i, : len(tree)], tree, host_ids[r] + generated[r], r, rows, logits_processor)
+                           for i, (r, tree) in enumerate(zip(active, trees))]  # b x [N_i, V]
+            drawn = torch.cat([target_choices(tree, row_logits, do_sample, None if proposals is None else proposals[i].log_q)
+                               for i, (tree, row_logits) in enumerate(zip(trees, node_logits))]).tolist()
+            ends = list(itertools.accumulate(len(tree) for tree in trees))
+            choices = [drawn[end - len(tree): end] for tree, end in zip(trees, ends)]
+        new, paths = [], []
+        for i, (r, tree) in enumerate(zip(active, trees)):
+            path, bonus = walk(tree, choices[i])
+            row_new = ([tree.tokens[k] for k in path[1:]] + [bonus])[: max(1, generation_config.max_length - prompt_length - len(generated[r]))]
+            cut = next((k for k, t in enumerate(row_new) if t in eos), None)
+            new.append(row_new if cut is None else row_new[: cut + 1])
+            paths.append(path)
+        if not holes:  # lockstep: every row commits the least any live row commits (a prefix of its own: still exact)
+            least = min(len(row_new) for row_new, alive in zip(new, live) if alive)
+            new = [row_new[:least] for row_new in new]
+        kept = [len(row_new) if alive or not holes else 0 for row_new, alive in zip(new, live)]  # slots each row keeps
+        for i, r in enumerate(active):
+            if live[i] and want_scores:
+                row_scores[r] += [node_logits[i][k] for k in paths[i][: kept[i]]]
+            if live[i] and want_logits:
+                row_raw[r] += [logits[i, k] for k in paths[i][: kept[i]]]
+        proposer.record([k - 1 if alive else None for k, alive in zip(kept, live)], proposals, None if proposals is not None else trees)
+
+        # 4. commit: trees first move each row's kept nodes to the front of the step's slots; then the tail no row
+        # kept goes, and the rest are holes where a row did not keep them
+        order = None
+        if budget:
+            order = torch.tensor([p + [k for k in range(width) if k not in p] for p in paths], device=device)  # [b, W]
+            kept_first(cache, start, order)
+        longest = max(kept)
+        crop_tail(cache, n_rows - longest)  # also shrinks sliding-window / conv layers back to their size
+        if rollback is not None and width > 1:
+            rollback.finish_step(accepted=longest, fed=n_rows)
+            stats.rollback_seconds = rollback.seconds
+        step_mask = kept_mask(kept, longest, device)  # [b, K]
+        kv_mask = torch.cat([kv_mask, step_mask], dim=1)
+        real = [n + k for n, k in zip(real, kept)]
+        proposer.add_kept(out.hidden_states, step_mask, order)
+        if holes and should_compact(kv_mask.shape[1], real):
+            kv_mask = compact(cache, kv_mask)
+
+    stats.new_tokens = sum(len(g) for g in generated)
+    stats.seconds = time.perf_counter() - proposer.start_time
     if streamer is not None:
         streamer.end()
     if own_masks:  # the cache goes back to the user (return_dict) as transformers leaves it: not recording
         for layer in cache.layers:
             if hasattr(layer, "record_past"):
                 layer.record_past = False
-    proposer.stats.seconds = time.perf_counter() - proposer.start_time
-    if return_dict:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache)
-    return input_ids
+    longest = max(len(g) for g in generated)
+    sequences = torch.cat([input_ids, torch.tensor([g + [pad] * (longest - len(g)) for g in generated], dtype=input_ids.dtype,
+                                                   device=device)], dim=1)
+    if not return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=_columns(row_scores, longest, pad) if want_scores else None,
+                                     logits=_columns(row_raw, longest, pad) if want_logits else None,
+                                     past_key_values=cache if rows == 1 else None)
+
+
+def _columns(per_row: list[list[torch.Tensor]], length: int, pad: int) -> tuple:
+    """Per-row lists of [V] -> a tuple of ``length`` [b, V]; a finished row's later columns put all mass on ``pad``
+    (the token written there)."""
+    template = next(t for row in per_row for t in row)
+    filler = torch.full_like(template, float("-inf"))
+    filler[pad] = 0.0
+    return tuple(torch.stack([row[k] if k < len(row) else filler for row in per_row]) for k in range(length))
+
+
+def _stream(streamer, generated, running: list[int], streamed: int, pad: int) -> int:
+    """Put the columns every running row has reached ([b] tokens, ``pad`` for finished rows), as transformers' loop does;
+    one prompt gets a step's tokens in one piece (a streamer of one row takes several tokens at once)."""
+    if streamer is None:
+        return streamed
+    reached = min((len(generated[r]) for r in running), default=max(len(g) for g in generated))
+    if len(generated) == 1 and reached > streamed:
+        streamer.put(torch.tensor(generated[0][streamed:reached]))
+        return reached
+    for k in range(streamed, reached):
+        streamer.put(torch.tensor([g[k] if k < len(g) else pad for g in generated]))
+    return max(streamed, reached)
 
 
 __all__ = ["speculative_decoding"]

@@ -473,6 +473,9 @@ class DFlash2PreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = False
     _supports_attention_backend = True
+    # a drafter generates nothing itself; transformers' ``get_compiled_call`` (the loop compiles the drafter step with
+    # the target's compile config) reads a generation config's compile settings, and None means its defaults
+    generation_config = None
 
     @torch.no_grad()
     def _init_weights(self, module):

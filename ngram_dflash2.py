@@ -161,10 +161,9 @@ class HybridRule:
         return [p / q if q > 0 else 0.0 for p, q in zip(cumulative, [1.0, *cumulative])]
 
     def run_drafter(self, match: NgramMatch | None, n_draft: int) -> bool:
-        """Is a draft worth its forward this step, judged by the drafter's mean acceptance?"""
-        expected, _ = self._best(self.mean_drafter_rates(n_draft), self.factor("dflash2"), extra_cost=self.costs.draft)
-        n_value, _ = self._ngram_value(match)
-        return expected > max(1.0, n_value + (self.ngram_margin if match and match.tokens else 0.0))
+        """Is a draft worth its forward this step, judged by the drafter's mean acceptance? (One row: the batch's gate,
+        ``draft_pays``, the one the loop asks.)"""
+        return draft_pays([self], [match], [n_draft], self.costs)
 
     def choose(self, match: NgramMatch | None, confidences: list[float] | None) -> Proposal:
         """The proposal to verify; ``confidences`` None when the drafter did not run this step."""
@@ -176,3 +175,72 @@ class HybridRule:
         if n_length and n_value + self.ngram_margin > value:
             choice = Proposal("ngram", n_length)
         return choice
+
+
+@dataclass
+class PathProposal:
+    """One path for one row's step: the rule's choice, its per-token acceptance rates (what the rule records), the
+    tokens, and log q [L, V] of each token's proposal distribution when they were sampled from the drafter (None:
+    deterministic tokens -- greedy, or the n-gram's point mass)."""
+
+    choice: Proposal
+    rates: list[float]
+    tokens: list[int]
+    log_q: object = None  # torch.Tensor [L, V] or None
+
+
+def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: StepCosts) -> int:
+    """The one proposal length L the step verifies for every row.
+
+    A batch runs until its slowest row is done, so a step is worth its extra cost only if EVERY row advances
+    enough: the value of L is the least expected tokens of any row (its bonus token included) per unit of the
+    batch's cost, against 1 for a plain batched step. (Summing tokens over rows instead, measured on the
+    embedded target at batch 8, verified n-gram runs of single rows while the other rows waited: 0.90x of the
+    target's batched generate on CHAMP.) Where verification is free (a GPU) every L pays and the longest wins."""
+    best_value, best = -1.0, 0
+    for length in sorted({0} | {len(p.tokens) for p in proposals}):
+        tokens = min(expected_tokens(p.rates[: min(length, len(p.tokens))], rule.factor(p.choice.proposer) if p.choice and
+                                     p.choice.proposer in rule.outcomes else 1.0) for p, rule in zip(proposals, rules))
+        value = tokens / costs.verify(length)
+        free = costs.verify(length) <= costs.verify(best)  # as cheap as the best so far: the longer one can only gain
+        if value > best_value + 1e-9 or (value >= best_value - 1e-9 and free):
+            best_value, best = value, length
+    return best
+
+
+def draft_pays(rules: list[HybridRule], matches: list, n_draft: list[int], costs: StepCosts) -> bool:
+    """Before drafting: does a draft promise more per unit of cost, its forward included, than the rows' n-gram
+    continuations alone (or a plain step)? The one gate for one row and for a batch.
+
+    An option verifying L tokens is valued, like ``batch_length`` values a step, by the row that gains least; a row's
+    value is the best of what it could verify: its draft (the drafter's calibrated mean acceptance), its n-gram
+    continuation (plus ``ngram_margin``, as ``HybridRule.choose`` compares them) or nothing. For one row this is
+    exactly "the draft's best value beats the n-gram's (plus the margin) and a plain step"."""
+    def value(length: int, with_draft: bool) -> float:
+        cost = costs.verify(length) + (costs.draft if with_draft else 0.0)
+
+        def row(rule: HybridRule, m, n: int) -> float:
+            options = [1.0 / cost]
+            if with_draft and n:
+                options.append(expected_tokens(rule.mean_drafter_rates(n)[:length], rule.factor("dflash2")) / cost)
+            if m and m.tokens:
+                options.append(expected_tokens(rule.ngram_rates(m)[:length], rule.factor("ngram")) / cost + rule.ngram_margin)
+            return max(options)
+
+        return min(row(rule, m, n) for rule, m, n in zip(rules, matches, n_draft))
+
+    longest = max([len(m.tokens) for m in matches if m] + n_draft)
+    without = max(value(length, False) for length in range(longest + 1))
+    return max((value(length, True) for length in range(1, max(n_draft) + 1)), default=0.0) > without
+
+
+def cut(proposal: PathProposal, length: int) -> PathProposal:
+    """The proposal's first ``length`` tokens (the batch's length); nothing left is a plain step for the row."""
+    if length >= len(proposal.tokens):
+        return proposal
+    kept = proposal.tokens[:length]
+    choice = Proposal(proposal.choice.proposer if kept else "none", len(kept))
+    log_q = None if proposal.log_q is None else proposal.log_q[:length]
+    return PathProposal(choice, proposal.rates, kept, log_q)
+
+

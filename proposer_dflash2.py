@@ -1,15 +1,15 @@
-"""Proposals for the target to verify: the block draft, the n-gram continuation, the tree.
+"""Proposals for the target to verify, for every row of a call at once: block drafts, n-gram continuations, trees.
 
-``DFlash2Proposer`` is the per-call drafting state the decoding loop (``loop_dflash2.py``) asks each step for
-one path (the hybrid rule's choice: a block draft, an n-gram continuation, or nothing) or a tree (the top-K
-lattice of one block draft, plus the n-gram continuation as a branch). It holds the drafter's context cache
-(the target features of committed tokens), the n-gram index, the rule and the call's statistics.
+``Proposer`` is the per-call drafting state the decoding loop (``loop_dflash2.py``) asks each step for one path per
+row (that row's hybrid rule picks its block draft, its n-gram continuation or nothing; the batch verifies one
+length) or one tree per row (the top-K lattice of the row's block draft, plus its n-gram continuation as a branch).
+It holds the drafter's context cache for every row, each row's n-gram index and rule, and the call's statistics.
 
-A block draft, from the anchor (the last committed token):
+A block draft, from each row's anchor (its last committed token), ONE drafter forward for the batch:
 
-    1. the target's previous forward gave hidden states of the tokens it just committed; the features of
-       ``target_layer_ids`` enter the drafter's context cache
-    2. one drafter forward on ``[anchor, MASK * (B-1)]``; the block's K/V are cropped back off
+    1. the target's previous forward gave hidden states of the tokens each row just committed; the features of
+       ``target_layer_ids`` enter the drafter's context cache (a row that kept fewer leaves holes, masked)
+    2. one drafter forward on ``[anchor, MASK * (B-1)]`` per row; the block's K/V are dropped again
     3. top-K of the draft logits at every position; the selector walks one path from the anchor (greedy,
        or sampled at the generation temperature: q, the proposal distribution exact sampling needs)
 """
@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 
 from .checks_dflash2 import check_compatible
-from .costs_dflash2 import rule_costs, step_costs
-from .ngram_dflash2 import HybridRule, NgramIndex, StepCosts
-from .rollback_dflash2 import LinearStateRollback
+from .costs_dflash2 import batch_costs, rule_costs
+from .holes_dflash2 import compact, crop_tail, positions_from_mask, select_rows, should_compact
+from .ngram_dflash2 import HybridRule, NgramIndex, PathProposal, batch_length, cut, draft_pays
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats
-from .tree_dflash2 import lattice_log_probs, tree_with_branch
+from .tree_dflash2 import lattice_lists, lattice_table, tree_with_branch
 
 def reduce_streams(hidden: torch.Tensor, reduction: str | None) -> torch.Tensor:
     """Hyper-connection targets give [b, t, streams, H]; reduce to [b, t, H] the way the config says."""
@@ -49,17 +49,6 @@ def context_features(hidden_states, layer_ids: list[int], n_tokens: int, reducti
     ``hidden_states[0]`` is the embedding output, so target layer ``l`` is ``hidden_states[l + 1]``.
     """
     return torch.cat([reduce_streams(hidden_states[l + 1][:, :n_tokens], reduction).to(device) for l in layer_ids], dim=-1)
-
-
-def compiled_call(model, compile_config):
-    """``torch.compile`` of ``model.__call__`` under transformers' ``CompileConfig``, made once per model and config
-    (kept on the model, as ``PreTrainedModel.get_compiled_call`` does, so later calls reuse the compiled graphs)."""
-    options = compile_config.to_dict()
-    cached = getattr(model, "_dflash2_compiled_call", None)
-    if cached is None or cached[0] != options:
-        cached = (options, torch.compile(model.__call__, **options))
-        model._dflash2_compiled_call = cached
-    return cached[1]
 
 
 # ---- drafting ------------------------------------------------------------------------------------------------
@@ -143,207 +132,228 @@ def ngram_policy(generation_config, config) -> tuple[int, int, int]:
     return num_tokens, min(settings["min_n"], max_n), max_n
 
 
-def point_mass_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """log q for a deterministic proposal: 0 at each proposed token, -inf elsewhere. [b, n] -> [b, n, V]"""
-    out = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)  # [b, n, V]
-    return out.scatter(-1, tokens[..., None], 0.0)
+class Proposer:
+    """Drafting state for one ``generate`` call over ``rows`` rows (one prompt is a batch of one).
 
+    Rows are indexed by their place in the current batch (``keep_rows`` drops finished ones); ``row_ids`` maps them
+    back to the caller's rows. The drafter's context cache holds every row's committed features with holes where a
+    row kept fewer tokens than the step wrote (``holes_dflash2``); its keys carry their positions
+    (``key_positions``), so a sliding-window drafter layer counts positions, not slots. ``preallocate`` makes that
+    cache static (and, with a compile config, the drafter step one compiled graph)."""
 
-
-@dataclass
-class PathProposal:
-    """One path for a step: the hybrid rule's choice (None: no room to propose), its per-token acceptance rates (what
-    the rule records), the tokens, and log q [L, V] of each token's proposal distribution when they were sampled from
-    the drafter (None: deterministic tokens -- greedy, or the n-gram's point mass)."""
-
-    choice: object | None
-    rates: list[float]
-    tokens: list[int]
-    log_q: torch.Tensor | None = None
-
-
-class DFlash2Proposer:
-    """Drafting state for one ``generate`` call (batch size 1): the drafter's context cache, the n-gram index, the
-    hybrid rule, the stats, and (stateful targets) the rollback the loop drives."""
-
-    def __init__(self, target, drafter, generation_config, logits_processor=None):
+    def __init__(self, target, drafter, generation_config, prompts: list[list[int]]):
         check_compatible(target, drafter)
-        self.drafter = drafter
-        self.config = drafter.config
+        rows = len(prompts)
+        self.drafter, self.config = drafter, drafter.config
         self.device = next(drafter.parameters()).device
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = drafter.draft_head(target.get_output_embeddings())  # the target's, or its draft-vocabulary rows
         vocab_ids = getattr(self.lm_head, "vocab_ids", None)
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(self.device)
-        self.draft_limit, self.adaptive = draft_length_policy(generation_config, self.config.block_size)
+        limit, self.adaptive = draft_length_policy(generation_config, self.config.block_size)
+        self.draft_limits = [limit] * rows  # per row: ``num_assistant_tokens_schedule="heuristic"`` adapts each
         self.temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 0.0
         self.ngram_tokens, min_n, max_n = ngram_policy(generation_config, self.config)
-        self.ngram = NgramIndex(min_n, max_n) if self.ngram_tokens else None
         settings = self.config.hybrid_settings()
-        costs, source = step_costs(target, drafter, self.lm_head, self.device)  # measured once per process, or configured
-        self.rule = HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"],
-                               settings["drafter_acceptance"], StepCosts(**rule_costs(costs)))
+        self.costs, costs, source = batch_costs(target, drafter, self.lm_head, self.device, rows)
+        self.rules = [HybridRule(settings["ngram_acceptance"], settings["drafter_scale"], settings["ngram_margin"],
+                                 settings["drafter_acceptance"], self.costs) for _ in range(rows)]
+        self.ngrams = [NgramIndex(min_n, max_n) for _ in range(rows)] if self.ngram_tokens else None
+        for i, prompt in enumerate(prompts if self.ngrams else []):
+            self.ngrams[i].extend(prompt)
+        self.lengths = [len(p) for p in prompts]  # per row: committed tokens (its anchor sits at length - 1)
+        self.row_ids = list(range(rows))
         self.trace = TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
-        self.cache = DynamicCache()  # context K/V only; full layers (the sliding window is applied by the mask)
-        self.slots = None  # a preallocated (static) drafter cache's slots (``preallocate``), else None
+        self.cache = DynamicCache()  # the drafter's context K/V for every row, with holes
+        self.slots = None  # a preallocated (static) drafter cache's slots (``preallocate``)
         self.compiled_step = None
-        self.committed = 0  # tokens whose target features are in the drafter cache
-        self.pending_features = []  # [1, n, n*H] features of committed tokens not yet in it (steps the drafter skipped)
-        self.stats = DFlash2Stats(block_size=self.config.block_size, costs={**costs, "source": source})
+        self.mask = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [b, Tc] 1 = a real context entry
+        self.real = [0] * rows  # real context entries per row (= the next context position)
+        self.pending = []  # (features [b, n, n*H], mask [b, n]) not yet in the drafter cache
+        batch = {"batch": rule_costs(vars(self.costs))} if rows > 1 else {}  # a batch's own costs, as the rule uses them
+        self.stats = DFlash2Stats(block_size=self.config.block_size, costs={**costs, "source": source, **batch}, batch_size=rows)
+        self.stats.row_accept_lengths = [[] for _ in range(rows)]
         self.start_time = time.perf_counter()
-        self.prompt_length = None
-        # Stateful targets (linear attention): the recurrent state must be rolled back by replay.
-        self.rollback = LinearStateRollback(target, owner=self) if getattr(target, "_is_stateful", False) else None
         sink = STATS_SINK.get()
         if sink is not None:
             sink.append(self.stats)
 
-    # ---- drafting ----------------------------------------------------------------------------------------------
-
     def preallocate(self, max_length: int, compile_config=None) -> None:
-        """Preallocate the drafter's context K/V (a static cache of every token the call may commit, plus one step's
-        context rows and block); with ``compile_config``, drafter steps of up to ``context_rows`` new context tokens
-        run through ONE compiled graph: their context is padded to that many rows (masked slots, overwritten later)."""
-        from transformers.cache_utils import Cache, StaticLayer
-
+        """A static drafter cache: every slot the call may fill (committed context with its holes, one step's new
+        context padded to a block, the block); with ``compile_config`` the drafter step runs ONE compiled graph
+        (transformers' ``get_compiled_call``) for every step of up to a block of new context."""
         block = self.config.block_size
-        self.context_rows = block  # a step commits at most a block (the accepted tokens and the bonus)
-        self.slots = max_length + self.context_rows + block
+        self.slots = max_length + 2 * block
         self.cache = Cache(layers=[StaticLayer(max_cache_len=self.slots) for _ in range(self.config.num_hidden_layers)])
         dtype = next(self.drafter.parameters()).dtype
-        like = torch.empty(1, self.config.num_key_value_heads, 1, self.config.head_dim, dtype=dtype, device=self.device)
-        for layer in self.cache.layers:  # allocated now, outside any compiled region (static addresses marked)
+        like = torch.empty(len(self.real), self.config.num_key_value_heads, 1, self.config.head_dim, dtype=dtype, device=self.device)
+        for layer in self.cache.layers:  # allocated now, outside any compiled region (static addresses)
             layer.lazy_initialization(like, like)
-        self.slot_ids = torch.arange(self.slots, device=self.device)  # [S]
-        self.compiled_step = None if compile_config is None else compiled_call(self.drafter, compile_config)
-
-    def draft_hidden(self, input_ids, attention_mask=None) -> torch.Tensor:
-        """The drafter's hiddens [1, B-1, H] at the block's drafted positions, anchored at ``input_ids[:, -1]``;
-        the pending context features enter the drafter cache, the block's K/V are cropped back off."""
-        block = self.config.block_size
-        features = torch.cat(self.pending_features, dim=1)  # [1, n_new, n*H]
-        self.pending_features = []
-        n_new = features.shape[1]
-        block_ids = torch.cat([input_ids[:, -1:], input_ids.new_full((1, block - 1), self.config.mask_token_id)], dim=1)
-        if self.slots is not None:
-            return self._draft_hidden_static(features, block_ids, attention_mask)
-        position_ids = torch.arange(self.committed, self.committed + n_new + block, device=input_ids.device)[None]
-        mask = attention_mask
-        if mask is not None:
-            mask = torch.cat([mask[:, : self.committed + n_new], mask.new_ones((1, block))], dim=1)
-        out = self.drafter(
-            noise_embeds=self.drafter.embed_block(self.embed_tokens, block_ids),
-            context_hidden_states=features,
-            position_ids=position_ids,
-            attention_mask=mask,
-            past_key_values=self.cache,
-        )
-        self.cache.crop(-block)  # keep the context K/V only
-        self.committed += n_new
-        return out.last_hidden_state[:, 1:]  # [1, B-1, H]
-
-    def _draft_hidden_static(self, features, block_ids, attention_mask) -> torch.Tensor:
-        """``draft_hidden`` on the preallocated cache. Slots after the step: [0, start) the committed context,
-        [start, start + c) the new context (n_new real rows, then padding), [start + c, start + c + B) the block;
-        the cache's length is then set back to start + n_new, so padding and block are overwritten next step."""
-        block, start, n_new = self.config.block_size, self.committed, features.shape[1]
-        fixed = self.compiled_step is not None and n_new <= self.context_rows  # the compiled graph's shapes
-        c = self.context_rows if fixed else n_new
-        end = start + n_new  # tokens in the drafter's context after this step
-        features = torch.nn.functional.pad(features, (0, 0, 0, c - n_new))  # [1, c, n*H]: padding rows at the end
-        block_positions = end + self.slot_ids[:block]  # [B]: the block follows the last real context token
-        position_ids = torch.cat([start + self.slot_ids[:c], block_positions])[None]  # [1, c + B]
-        key_positions = self.slot_ids.clone()  # [S]: context slot s holds position s
-        key_positions[start + c : start + c + block] = block_positions
-        slot_mask = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [S] 1 = the slot holds a token
-        slot_mask[:end] = 1 if attention_mask is None else attention_mask[0, :end].to(self.device)
-        slot_mask[start + c : start + c + block] = 1
-        out = (self.compiled_step if fixed else self.drafter)(
-            noise_embeds=self.drafter.embed_block(self.embed_tokens, block_ids), context_hidden_states=features,
-            position_ids=position_ids, attention_mask=slot_mask[None], key_positions=key_positions[None],
-            past_key_values=self.cache)
-        hidden = out.last_hidden_state[:, 1:].clone()  # [1, B-1, H] (a CUDA-graph replay reuses its output memory)
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(end)  # in place: the compiled graph keeps reading the same tensor
-        self.committed = end
-        return hidden
-
-    def draft_path(self, input_ids, attention_mask, n_draft: int) -> Draft:
-        """The block draft's first ``n_draft`` tokens (the selector's path) from the anchor ``input_ids[:, -1]``."""
-        hidden = self.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
-        return propose(self.drafter, self.lm_head, hidden[:, :n_draft], input_ids[:, -1], self.temperature)
-
-    def extend_ngram_index(self, input_ids, history: list[int] | None = None) -> None:
-        """The n-gram index takes the tokens committed since its last call: from ``history`` (the loop's host copy of
-        the sequence, no device transfer) when given, else from ``input_ids``."""
-        start = len(self.ngram.ids)
-        self.ngram.extend(history[start:] if history is not None else input_ids[0, start:].tolist())
-
-    def propose_path(self, input_ids, attention_mask, limit: int, history: list[int] | None = None) -> PathProposal:
-        """One path of at most ``limit`` tokens, as the hybrid rule picks it: the n-gram continuation, the block draft
-        (run only when the rule says it is worth its forward, or when proposals are traced) or nothing, cut to what
-        pays (``ngram_dflash2.HybridRule``)."""
-        match = None
-        if self.ngram is not None:
-            self.extend_ngram_index(input_ids, history)
-            match = self.ngram.lookup(min(self.ngram_tokens, limit))
-        n_draft = min(self.draft_limit, limit)
-        confidences, drafted, log_q = None, [], None
-        if n_draft > 0 and (self.ngram is None or self.trace is not None or self.rule.run_drafter(match, n_draft)):
-            draft = self.draft_path(input_ids, attention_mask, n_draft)
-            n = draft.tokens.shape[1]  # n_draft (a patched draft may hold fewer)
-            host = torch.cat([draft.tokens[0].float(), draft.confidence[0].float()]).tolist()  # one transfer
-            drafted, confidences = [int(t) for t in host[:n]], host[n:]
-            log_q = None if draft.proposal_logits is None else draft.proposal_logits[0]  # [n_draft, V]
-            if self.trace is not None:
-                self.trace.append({"position": input_ids.shape[1], "draft": drafted, "confidence": confidences,
-                                   "ngram": match.tokens if match else [], "match_length": match.match_length if match else 0})
-        choice = self.rule.choose(match, confidences)
-        if choice.proposer == "ngram":
-            return PathProposal(choice, self.rule.ngram_rates(match), match.tokens[: choice.length])
-        rates = self.rule.drafter_rates(confidences) if confidences is not None else []
-        return PathProposal(choice, rates, drafted[: choice.length], None if log_q is None else log_q[: choice.length])
-
-    def propose_tree(self, input_ids, attention_mask, anchor: int, budget: int, depth_limit: int, max_nodes: int | None = None,
-                     history: list[int] | None = None):
-        """A ``TokenTree``: the ``budget`` most probable nodes of the block's top-K lattice (at most ``depth_limit``
-        deep), plus the n-gram continuation as a branch; ``max_nodes`` bounds both together (a static cache's slots)."""
-        hidden = self.draft_hidden(input_ids, attention_mask)  # [1, B-1, H]
-        logits = self.drafter.draft_logits(self.lm_head, hidden)[0]  # [B-1, V']
-        candidates, log_probs = lattice_log_probs(self.drafter, hidden[0], logits, self.vocab_ids, anchor)
-        if self.ngram is not None:
-            self.extend_ngram_index(input_ids, history)
-        return tree_with_branch(anchor, candidates, log_probs, budget, depth_limit, self.ngram_tokens,
-                                self.ngram.lookup if self.ngram is not None else None, max_nodes)
+        self.compiled_step = None if compile_config is None else self.drafter.get_compiled_call(compile_config)
 
     # ---- what the loop reads from the target's forwards ---------------------------------------------------------
 
-    def prompt_features(self, hidden_states, n_tokens: int) -> torch.Tensor:
-        """[1, n_tokens, n*H] context features of the prefill (and records the prompt length)."""
-        self.prompt_length = n_tokens
-        return context_features(hidden_states, self.config.target_layer_ids, n_tokens, self.config.target_hidden_reduction, self.device)
+    def add_prompt(self, hidden_states, mask: torch.Tensor) -> None:
+        """The prefill's features of every (left-padded) prompt; padding enters as holes."""
+        features = context_features(hidden_states, self.config.target_layer_ids, mask.shape[1], self.config.target_hidden_reduction, self.device)
+        self.pending.append((features, mask.to(self.device)))  # [b, P, n*H], [b, P]
 
-    def node_features(self, hidden_states, nodes: list[int]) -> torch.Tensor:
-        """[1, len(nodes), n*H] context features of the given positions of a verification forward, on the drafter's device."""
-        index = torch.tensor(nodes)
-        return torch.cat([reduce_streams(hidden_states[l + 1].index_select(1, index.to(hidden_states[l + 1].device)),
-                                         self.config.target_hidden_reduction).to(self.device)
-                          for l in self.config.target_layer_ids], dim=-1)
+    def add_kept(self, hidden_states, kept_mask: torch.Tensor, order: torch.Tensor | None = None) -> None:
+        """Features of the first K slots of a verification forward; row i's first ``kept[i]`` are real. ``order``
+        [b, W]: the slots in kept-first order (trees: ``holes_dflash2.kept_first``)."""
+        width = kept_mask.shape[1]
 
-    def record(self, n_matches: int, path: PathProposal | None = None, tree=None) -> None:
-        """Statistics, the rule's acceptance record and the adaptive draft length after a step."""
-        if tree is not None:
-            self.stats.record_step(len(tree) - 1, n_matches, "dflash2-tree", depth=max(tree.depths))
-            return
-        if path is None or path.choice is None:  # no room to propose: a plain step
-            self.stats.record_step(0, n_matches, "none")
-            return
-        choice = path.choice
-        self.stats.record_step(choice.length, n_matches, choice.proposer)
-        self.rule.record(choice, path.rates, n_matches)
-        if self.adaptive and choice.proposer == "dflash2" and choice.length:  # transformers' heuristic: +2 after a
-            full = n_matches == choice.length  # fully accepted draft, -1 otherwise
-            self.draft_limit = min(self.config.block_size - 1, self.draft_limit + 2) if full else max(1, self.draft_limit - 1)
+        def first(h):  # [b, W, ...] -> [b, K, ...]
+            if order is None:
+                return h[:, :width]
+            index = order[:, :width].to(h.device)  # [b, K]
+            return h.gather(1, index.view(*index.shape, *[1] * (h.dim() - 2)).expand(*index.shape, *h.shape[2:]))
+
+        features = torch.cat([reduce_streams(first(hidden_states[l + 1]), self.config.target_hidden_reduction).to(self.device)
+                              for l in self.config.target_layer_ids], dim=-1)  # [b, K, n*H]
+        self.pending.append((features, kept_mask.to(self.device)))
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only the batch rows ``keep`` (places in the current batch)."""
+        index = torch.tensor(keep, device=self.device)
+        select_rows(self.cache, index)
+        self.mask = self.mask.index_select(0, index)
+        self.pending = [(f.index_select(0, index), m.index_select(0, index)) for f, m in self.pending]
+        for name in ("rules", "ngrams", "row_ids", "real", "lengths", "draft_limits"):
+            values = getattr(self, name)
+            if values is not None:
+                setattr(self, name, [values[i] for i in keep])
+
+    # ---- drafting ----------------------------------------------------------------------------------------------
+
+    def draft_hidden(self, anchors: torch.Tensor) -> torch.Tensor:
+        """The drafter's hiddens [b, B-1, H] at every row's drafted positions (anchors [b] on the drafter's device);
+        the pending features enter the context cache, the block's K/V are dropped again.
+
+        Keys: [committed context with holes | new context | block]; each key's position comes from its row's mask
+        (``positions_from_mask``), the block follows the row's last real context position."""
+        block = self.config.block_size
+        features = torch.cat([f for f, _ in self.pending], dim=1)  # [b, n, n*H]
+        new_mask = torch.cat([m for _, m in self.pending], dim=1)  # [b, n]
+        self.pending = []
+        rows, n_new = new_mask.shape
+        if self.slots is not None and self.mask.shape[1] + max(n_new, block) + block > self.slots:
+            self.mask = compact(self.cache, self.mask)  # in place: the static slots stay where they are
+        padded = block if self.compiled_step is not None and n_new <= block else n_new  # a compiled step's shapes
+        features = torch.nn.functional.pad(features, (0, 0, 0, padded - n_new))  # [b, c, n*H]: padding rows at the end
+        new_mask = torch.nn.functional.pad(new_mask, (0, padded - n_new))  # [b, c]
+        real = torch.tensor(self.real, device=self.device)  # [b]
+        after = real + new_mask.sum(-1)  # [b] the block's first position per row
+        block_positions = after[:, None] + torch.arange(block, device=self.device)  # [b, B]
+        context_mask = torch.cat([self.mask, new_mask], dim=1)  # [b, Tc + c]
+        key_positions = torch.cat([positions_from_mask(context_mask), block_positions], dim=1)  # [b, Tc + c + B]
+        key_mask = torch.cat([context_mask, context_mask.new_ones(rows, block)], dim=1)  # [b, Tc + c + B]
+        if self.slots is not None:  # every slot is a key; those past the block are stale
+            key_positions = torch.nn.functional.pad(key_positions, (0, self.slots - key_positions.shape[1]))  # [b, S]
+            key_mask = torch.nn.functional.pad(key_mask, (0, self.slots - key_mask.shape[1]))  # [b, S]
+        block_ids = torch.cat([anchors[:, None], anchors.new_full((rows, block - 1), self.config.mask_token_id)], 1)  # [b, B]
+        step = self.compiled_step if self.compiled_step is not None and padded == block and n_new <= block else self.drafter
+        out = step(noise_embeds=self.drafter.embed_block(self.embed_tokens, block_ids), context_hidden_states=features,
+                   position_ids=torch.cat([key_positions[:, self.mask.shape[1] : context_mask.shape[1]], block_positions], 1),
+                   attention_mask=key_mask, key_positions=key_positions, past_key_values=self.cache)
+        hidden = out.last_hidden_state[:, 1:].clone()  # [b, B-1, H] (a CUDA-graph replay reuses its output memory)
+        crop_tail(self.cache, block + padded - n_new)  # keep the real context columns only
+        self.mask = torch.cat([self.mask, new_mask[:, :n_new]], dim=1)
+        self.real = after.tolist()
+        if self.slots is None and should_compact(self.mask.shape[1], self.real):
+            self.mask = compact(self.cache, self.mask)
+        return hidden
+
+    def draft_block(self, anchors: list[int], n: int) -> Draft:
+        """Every row's block draft from its anchor, its first ``n`` tokens (the selector's path) [b, n]."""
+        anchor_ids = torch.tensor(anchors, device=self.device)  # [b]
+        hidden = self.draft_hidden(anchor_ids)  # [b, B-1, H]
+        return propose(self.drafter, self.lm_head, hidden[:, :n], anchor_ids, self.temperature)
+
+    def _grow(self, new_tokens: list[list[int]]) -> None:
+        for i, tokens in enumerate(new_tokens):
+            self.lengths[i] += len(tokens)
+            if self.ngrams is not None:
+                self.ngrams[i].extend(tokens)
+
+    def propose(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int]) -> list[PathProposal]:
+        """One path per row (``limits[i]``: at most that many tokens), as that row's rule picks it; ONE drafter
+        forward serves every row when a draft pays for the batch (``draft_pays``; always when proposals are traced).
+        ``new_tokens``: per row, the tokens committed since the last call (host lists, no device transfer).
+
+        The batch then verifies one length for every row (``batch_length``: a row's shorter proposal is padded)."""
+        self._grow(new_tokens)
+        rows = len(anchors)
+        matches = [None] * rows
+        if self.ngrams is not None:
+            matches = [self.ngrams[i].lookup(min(self.ngram_tokens, limits[i])) for i in range(rows)]
+        n_draft = [min(d, limit) for d, limit in zip(self.draft_limits, limits)]
+        confidences, drafted, log_q = [None] * rows, [[] for _ in range(rows)], None
+        if any(n_draft) and (self.ngrams is None or self.trace is not None or draft_pays(self.rules, matches, n_draft, self.costs)):
+            t0 = time.perf_counter()
+            draft = self.draft_block(anchors, max(n_draft))
+            host = torch.cat([draft.tokens.float(), draft.confidence.float()], dim=1).tolist()  # ONE transfer: [b, 2n]
+            n = draft.tokens.shape[1]
+            for i in range(rows):
+                drafted[i] = [int(t) for t in host[i][: min(n, n_draft[i])]]
+                confidences[i] = host[i][n : n + len(drafted[i])] if drafted[i] else None
+            log_q = draft.proposal_logits  # [b, n, V] or None (greedy)
+            self.stats.draft_seconds += time.perf_counter() - t0
+            if self.trace is not None:
+                self.trace += [{"position": self.lengths[i], "draft": drafted[i], "confidence": confidences[i] or [],
+                                "ngram": matches[i].tokens if matches[i] else [],
+                                "match_length": matches[i].match_length if matches[i] else 0} for i in range(rows)]
+        out = []
+        for i in range(rows):
+            choice = self.rules[i].choose(matches[i], confidences[i])
+            if choice.proposer == "ngram":
+                out.append(PathProposal(choice, self.rules[i].ngram_rates(matches[i]), matches[i].tokens[: choice.length]))
+            else:
+                rates = self.rules[i].drafter_rates(confidences[i]) if confidences[i] is not None else []
+                q = None if log_q is None or choice.proposer != "dflash2" else log_q[i, : choice.length]
+                out.append(PathProposal(choice, rates, drafted[i][: choice.length], q))
+        length = batch_length(out, self.rules, self.costs)
+        return [cut(p, length) for p in out]
+
+    def propose_trees(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int], budget: int,
+                      max_nodes: int | None = None) -> list:
+        """A ``TokenTree`` per row: the ``budget`` most probable nodes of the row's top-K lattice (at most ``limits[i]``
+        deep), plus the row's n-gram continuation as a branch; ``max_nodes`` bounds both together (a static cache's
+        slots). ONE drafter forward and ONE transfer for the batch."""
+        self._grow(new_tokens)
+        t0 = time.perf_counter()
+        anchor_ids = torch.tensor(anchors, device=self.device)  # [b]
+        hidden = self.draft_hidden(anchor_ids)  # [b, B-1, H]
+        logits = self.drafter.draft_logits(self.lm_head, hidden)  # [b, B-1, V']
+        host = lattice_table(self.drafter, hidden, logits, self.vocab_ids, anchor_ids).cpu()  # [b, B-1, 1 + K, K]: the one transfer
+        trees = []
+        for i in range(len(anchors)):
+            candidates, log_probs = lattice_lists(host[i])
+            trees.append(tree_with_branch(anchors[i], candidates, log_probs, budget, limits[i], self.ngram_tokens,
+                                          self.ngrams[i].lookup if self.ngrams is not None else None, max_nodes))
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return trees
+
+    def record(self, accepted: list[int], proposals: list[PathProposal] | None = None, trees: list | None = None) -> None:
+        """After a verification: statistics per row and pooled; with paths, each row's rule learns from its own
+        outcome and (``num_assistant_tokens_schedule="heuristic"``) its draft length adapts (transformers' rule: +2
+        after a fully accepted draft, -1 otherwise). ``accepted[i]``: row i's drafted tokens committed (None: a dead
+        row of a compiled call, not counted)."""
+        for i, n in enumerate(accepted):
+            if n is None:
+                continue
+            if trees is not None:
+                self.stats.record_step(len(trees[i]) - 1, n, "dflash2-tree", depth=max(trees[i].depths))
+            else:
+                choice = proposals[i].choice
+                self.stats.record_step(choice.length, n, choice.proposer)
+                self.rules[i].record(choice, proposals[i].rates, n)
+                if self.adaptive and choice.proposer == "dflash2" and choice.length:
+                    full = n == choice.length
+                    self.draft_limits[i] = (min(self.config.block_size - 1, self.draft_limits[i] + 2) if full
+                                            else max(1, self.draft_limits[i] - 1))
+            self.stats.row_accept_lengths[self.row_ids[i]].append(n + 1)
+        self.stats.forwards += 1
 
 
-__all__ = ["DFlash2Proposer", "Draft", "PathProposal", "context_features", "propose", "reduce_streams"]
+__all__ = ["Draft", "Proposer", "context_features", "draft_length_policy", "ngram_policy", "propose", "reduce_streams"]

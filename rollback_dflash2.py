@@ -7,14 +7,14 @@ recording is on. Its RECURRENT state is not croppable: it has already absorbed t
 tokens. transformers 5.23 therefore refuses assisted generation for such targets
 (``_is_stateful``: ``qwen3_next``, ``glm5_next``, ...).
 
-What we do, per decoding step (batch size 1, like transformers' assisted loop):
+What we do, per decoding step (every row of a call commits the same number of tokens: ``loop_dflash2``'s lockstep):
 
     1. before verification: snapshot each linear-attention layer's conv + recurrent state
        (a few MB per layer) and arm a forward pre-hook on each linear-attention mixer that
        records the mixer's inputs (its normed hidden states and local padding mask)
     2. verification runs unchanged; transformers crops attention K/V and indexer keys
     3. after acceptance of ``n`` of the fed tokens (n < fed): restore the snapshots and run each
-       linear-attention mixer again on its recorded inputs for the first ``n`` positions only.
+       linear-attention mixer again on its recorded inputs (every row) for the first ``n`` positions only.
        That reruns the mixer's own projections, short conv and recurrence over <= block-size
        tokens -- no attention, MoE, hyper-connection or other layers, no second target forward
 

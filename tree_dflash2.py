@@ -1,6 +1,6 @@
 """Tree verification: several paths through the drafter's top-K lattice, verified in ONE target forward.
 
-One step (batch size 1), after the prefill:
+One step, for each row of a call, after the prefill:
 
     1. draft: one drafter forward from the anchor (the last committed token) gives, at every
        block position t, the top-K candidates and the selector's scores S_t(a, b)
@@ -16,7 +16,7 @@ One step (batch size 1), after the prefill:
        nodes' hidden states are the drafter's next context features
 
 A chain (one path) is a tree with one child per node, so the decoding loop (``loop_dflash2.py``) runs
-every mode through these helpers.
+every mode through these helpers; the cache operations of step 5 live in ``holes_dflash2``.
 """
 
 from __future__ import annotations
@@ -159,11 +159,6 @@ def lattice_lists(host: torch.Tensor) -> tuple[list[list[int]], list[list[list[f
     return host[:, 0].long().tolist(), host[:, 1:].tolist()
 
 
-def lattice_log_probs(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor: int):
-    """``lattice_table`` moved to the host in ONE transfer, as lists (the tree then grows on the host)."""
-    return lattice_lists(lattice_table(drafter, hidden, logits, vocab_ids, anchor).cpu())
-
-
 def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None,
                         n_rows: int | None = None) -> torch.Tensor:
     """Additive 4D mask [1, 1, n_rows, key_length]: the committed context (its own padding mask) and ancestors.
@@ -189,29 +184,6 @@ def static_cache_length(cache) -> int | None:
     """Slots of a static cache (every layer attends over all of them), None for a dynamic one."""
     lengths = {layer.max_cache_len for layer in cache.layers if type(layer) is StaticLayer}
     return max(lengths) if lengths else None
-
-
-def keep_cache_entries(cache, past: int, keep: list[int]) -> None:
-    """After a tree forward, keep the first ``past`` entries and the tree nodes ``keep`` (in order).
-
-    Tail-only: the kept nodes' K/V move into place right after the committed context; a dynamic layer slices the rest
-    off (a view), a static layer sets its length (in place: its address stays) and the mask hides the stale slots.
-    Nothing before ``past`` is touched."""
-    source = None
-    end = past + len(keep)
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, StaticLayer):
-            raise ValueError(f"tree verification needs full-attention dynamic or static cache layers, got {type(layer).__name__}")
-        if not layer.is_initialized:
-            continue
-        if source is None:
-            source = (past + torch.tensor(keep, dtype=torch.long)).to(layer.keys.device)  # [m]
-        layer.keys[..., past:end, :] = layer.keys.index_select(-2, source.to(layer.keys.device))  # [b, h, m, hd]
-        layer.values[..., past:end, :] = layer.values.index_select(-2, source.to(layer.values.device))
-        if type(layer) is StaticLayer:
-            layer.cumulative_length.fill_(end)
-        else:
-            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
 # Tokens committed per step by a tree of N nodes over those of one path of the same drafter (greedy, the shipped

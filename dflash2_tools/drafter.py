@@ -13,8 +13,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "accept_dflash2.py", "batch_dflash2.py",
-                     "batch_proposer_dflash2.py", "attention_dflash2.py", "checks_dflash2.py", "costs_dflash2.py", "holes_dflash2.py",
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "accept_dflash2.py",
+                     "attention_dflash2.py", "checks_dflash2.py", "costs_dflash2.py", "holes_dflash2.py",
                      "devices_dflash2.py", "loop_dflash2.py", "ngram_dflash2.py", "proposer_dflash2.py", "rollback_dflash2.py",
                      "stats_dflash2.py", "tree_dflash2.py")
 
@@ -63,14 +63,9 @@ def holes(repo: str | Path = REPO_ROOT):
     return _sibling("holes_dflash2", repo)
 
 
-def batch(repo: str | Path = REPO_ROOT):
-    """The root ``batch_dflash2`` module (the batched decoding loop)."""
-    return _sibling("batch_dflash2", repo)
-
-
-def batch_proposer(repo: str | Path = REPO_ROOT):
-    """The root ``batch_proposer_dflash2`` module (batched drafting, the batch's cost model)."""
-    return _sibling("batch_proposer_dflash2", repo)
+def loop(repo: str | Path = REPO_ROOT):
+    """The root ``loop_dflash2`` module (the decoding loop: every call, one row or many)."""
+    return _sibling("loop_dflash2", repo)
 
 
 def generation_of(drafter):

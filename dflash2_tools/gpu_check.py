@@ -193,11 +193,11 @@ def build_target(shape: tuple, device, dtype):
 
 def forced_acceptance(gen_module, reference: torch.Tensor, accept: int):
     """Patch the candidate generator so each draft is ``accept - 1`` tokens of ``reference`` then a wrong token."""
-    original = gen_module.DFlash2Proposer.draft_path
+    original = gen_module.Proposer.draft_block
 
-    def draft(self, input_ids, attention_mask, n_draft):
-        real = original(self, input_ids, attention_mask, n_draft)  # the drafter's forward runs: its cost is real
-        pos = input_ids.shape[1]
+    def draft(self, anchors, n_draft):
+        real = original(self, anchors, n_draft)  # the drafter's forward runs: its cost is real
+        pos = self.lengths[0]  # one row: its committed length
         right = reference[0, pos : pos + accept - 1].to(real.tokens.device)
         wrong = (reference[0, pos + accept - 1 : pos + accept] + 1) % self.config.vocab_size if pos + accept - 1 < reference.shape[1] else right[:0]
         tokens = torch.cat([right, wrong])[None][:, :n_draft]  # [1, <= accept]
@@ -243,7 +243,7 @@ def step_costs(device: torch.device, shapes: dict, new_tokens: int, repeats: int
                "first_static_call_s (compile)": compile_s, "speculative": {}}
         for accept in accepts:
             original, patched = forced_acceptance(gen, reference, accept)
-            gen.DFlash2Proposer.draft_path = patched
+            gen.Proposer.draft_block = patched
             try:
                 out, stats = gen.dflash2_generate(target, drafter, ids, **kw)
                 seconds = timed(device, lambda: target.generate(ids, assistant_model=drafter, **kw), repeats)
@@ -253,7 +253,7 @@ def step_costs(device: torch.device, shapes: dict, new_tokens: int, repeats: int
                 static_seconds = timed(device, lambda: target.generate(ids, assistant_model=drafter, cache_implementation="static", **kw),
                                        repeats)
             finally:
-                gen.DFlash2Proposer.draft_path = original
+                gen.Proposer.draft_block = original
             # greedy equality is asserted in fp32 above; in bf16 a multi-token verification may round differently
             row["speculative"][accept] = {"seconds": seconds, "tokens_per_forward": stats.mean_acceptance_length,
                                           "same_as_target": bool(torch.equal(out, reference)),

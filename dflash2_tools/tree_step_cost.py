@@ -6,8 +6,8 @@ timed at two context lengths, with today's tail-only compaction and the whole-ca
 The embedded target with ``--context`` committed tokens in its dynamic cache; each repeat runs ONE forward over a
 random ``--nodes``-node tree under the tree mask (as tree verification does: through ``verification_attention``'s
 packed GQA heads, or through transformers' SDPA, which copies every cached K/V per layer for a masked
-multi-query forward), keeps a 3-node path with ``keep_cache_entries`` (tail-only: moves the kept nodes' K/V into
-place and slices the rest off) or with the former whole-cache ``index_select`` of every layer, then crops back to
+multi-query forward), keeps a 3-node path the way the loop does (``holes_dflash2.kept_first`` then ``crop_tail``, tail-only: the kept
+nodes' K/V move to the front of the step's slots and the rest is cut off) or with the former whole-cache ``index_select`` of every layer, then crops back to
 the context. Fastest repeat (and the median) after a warm-up. What remains context-dependent is the forward itself: attention over the
 context, and transformers' ``DynamicLayer.update``, which concatenates the new K/V onto the whole cache.
 """
@@ -28,7 +28,15 @@ from .target import load_target
 from .tree_cost import random_tree
 
 
-def whole_cache_compaction(cache, past: int, keep: list[int]) -> None:
+def tail_only_compaction(cache, past: int, keep: list[int], width: int) -> None:
+    """What the loop does after a tree step: the kept nodes first in the step's slots, the rest cut off."""
+    holes = root.holes()
+    order = torch.tensor([keep + [k for k in range(width) if k not in keep]])  # [1, W]
+    holes.kept_first(cache, past, order)
+    holes.crop_tail(cache, width - len(keep))
+
+
+def whole_cache_compaction(cache, past: int, keep: list[int], width: int) -> None:
     """The compaction tree mode used before: an index_select over EVERY cached position of every layer."""
     index = torch.cat([torch.arange(past), past + torch.tensor(keep, dtype=torch.long)])
     for layer in cache.layers:
@@ -53,7 +61,7 @@ def time_step(target, tree_module, context: int, nodes: int, compaction, repeats
             target(input_ids=torch.tensor([tree.tokens]), position_ids=(context + torch.tensor(tree.depths))[None],
                    attention_mask=mask, past_key_values=cache, use_cache=True)
         t1 = time.perf_counter()
-        compaction(cache, context, keep)
+        compaction(cache, context, keep, len(tree))
         t2 = time.perf_counter()
         cache.crop(-len(keep))
         forward_s.append(t1 - t0)
@@ -75,8 +83,8 @@ def main(argv=None):
     target, _ = load_target(dtype=torch.float32)
     tree_module = root.tree()
     result = {"nodes": args.nodes, "contexts": args.contexts, "rows": {}}
-    variants = (("tail-only", tree_module.keep_cache_entries, True),  # the loop today: packed GQA heads
-                ("tail-only, transformers' SDPA", tree_module.keep_cache_entries, False),  # repeat_kv per layer
+    variants = (("tail-only", tail_only_compaction, True),  # the loop today: packed GQA heads
+                ("tail-only, transformers' SDPA", tail_only_compaction, False),  # repeat_kv per layer
                 ("whole-cache, transformers' SDPA", whole_cache_compaction, False))  # before both
     for name, compaction, packed in variants:
         rows = {c: time_step(target, tree_module, c, args.nodes, compaction, args.repeats, packed) for c in args.contexts}

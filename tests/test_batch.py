@@ -1,4 +1,4 @@
-"""Batches through one plain call (batch_dflash2.py): each row accepts its own tokens, every row stays lossless.
+"""Batches through the one decoding loop (loop_dflash2.py): each row accepts its own tokens, every row stays lossless.
 
 Greedy rows equal the target's own BATCHED generate of the same left-padded batch (fp32), across architectures,
 mixed prompt lengths, EOS mid-batch, max_new_tokens edges, logits processors and return_dict; sampling keeps each
@@ -94,7 +94,7 @@ def test_holes_are_compacted_and_finished_rows_leave(accepting_batch, monkeypatc
     monkeypatch.setattr(holes, "MIN_HOLES_TO_COMPACT", 1)
     calls = []
     real_compact = holes.compact
-    monkeypatch.setattr(root.batch(), "compact", lambda cache, mask: calls.append(mask.shape) or real_compact(cache, mask))
+    monkeypatch.setattr(root.loop(), "compact", lambda cache, mask: calls.append(mask.shape) or real_compact(cache, mask))
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=40, eos_token_id=_mid_batch_eos(target, ids, mask))
     ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
     out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, **kw)
@@ -111,7 +111,7 @@ def test_batched_static_cache_equals_the_targets_batched_generate(accepting_batc
     monkeypatch.setattr(root.holes(), "MIN_HOLES_TO_COMPACT", min_holes)
     calls = []
     real_compact = root.holes().compact
-    monkeypatch.setattr(root.batch(), "compact", lambda cache, m: calls.append(m.shape) or real_compact(cache, m))
+    monkeypatch.setattr(root.loop(), "compact", lambda cache, m: calls.append(m.shape) or real_compact(cache, m))
     eos = _mid_batch_eos(target, ids, mask)
     gen = root.generation()
     for case in (dict(max_new_tokens=1), dict(max_new_tokens=40, eos_token_id=eos), dict(max_new_tokens=33)):
@@ -184,7 +184,7 @@ def test_stopping_criteria_run_once_per_group_of_equal_length_rows():
     from transformers import StoppingCriteriaList
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-    batch = root.batch()
+    batch = root.loop()
     calls = []
 
     class Counted(StoppingCriteriaList):
@@ -197,7 +197,7 @@ def test_stopping_criteria_run_once_per_group_of_equal_length_rows():
     stopped = batch.stopping_rows(criteria, sequences, rows=6, device="cpu")
     assert len(calls) == 3 and all(shape[0] == 6 for shape in calls)  # lengths 4, 3 and 7
     calls.clear()
-    one_by_one = {r for r, ids in sequences.items() if batch.as_row(criteria, ids, r, 6, "cpu")}
+    one_by_one = {r for r, ids in sequences.items() if root.accept().as_row(criteria, ids, r, 6, "cpu")}
     assert stopped == one_by_one == {2, 3, 5}
 
 
@@ -220,7 +220,7 @@ def test_compact_moves_each_rows_real_entries_together_in_order():
 
 def test_batch_cost_model_prices_a_batch_above_one_row():
     """The same draft length costs a batch more (relative to its plain step) than one row: the rule cuts sooner."""
-    proposer = root.batch_proposer()
+    proposer = root.costs_of(tiny_drafter())
     costs = root.ngram_of(tiny_drafter()).StepCosts(**CPU_FP32_COSTS)
     assert proposer.batch_step_costs(costs, 1) is costs
     four = proposer.batch_step_costs(costs, 4)
@@ -280,11 +280,12 @@ def test_a_batch_measurement_runs_over_a_context_and_repeats(accepting_batch, mo
 def test_the_batch_verifies_what_its_slowest_row_can_use():
     """One length for the batch: where verification costs, a row with nothing to verify keeps the batch at a plain
     step (the batch waits for its slowest row); where it is free, the longest proposal is verified."""
-    bp, ngram = root.batch_proposer(), root.ngram_of(tiny_drafter())
+    ngram = root.ngram_of(tiny_drafter())
+    bp = ngram
     rule = lambda costs: ngram.HybridRule([0.0, 0.5, 0.7, 0.9], 1.0, 0.0, [0.8] * 7, costs)  # noqa: E731
     good = bp.PathProposal(ngram.Proposal("ngram", 6), [0.9] * 6, [5, 6, 7, 8, 9, 10])
     nothing = bp.PathProposal(ngram.Proposal("none", 0), [], [])
-    cpu = bp.batch_step_costs(ngram.StepCosts(**CPU_FP32_COSTS), 2)
+    cpu = root.costs_of(tiny_drafter()).batch_step_costs(ngram.StepCosts(**CPU_FP32_COSTS), 2)
     free = ngram.StepCosts(**FREE_COSTS)
     assert bp.batch_length([good, nothing], [rule(cpu), rule(cpu)], cpu) == 0
     assert bp.batch_length([good, good], [rule(cpu), rule(cpu)], cpu) > 0
@@ -295,11 +296,12 @@ def test_the_batch_drafts_only_when_its_slowest_row_gains():
     """Before drafting, the batch is valued like a step (``batch_length``): by the row that gains least, the draft's
     own forward included. A weak drafter next to strong n-gram continuations does not run; a good one does where
     verification is free, and nothing runs at prohibitive costs."""
-    bp, ngram = root.batch_proposer(), root.ngram_of(tiny_drafter())
+    ngram = root.ngram_of(tiny_drafter())
+    bp = ngram
     match = ngram.NgramMatch([5, 6, 7, 8, 9, 10], 3)
     rule = lambda acceptance, costs: ngram.HybridRule([0.0, 0.5, 0.7, 0.9], 1.0, 0.0, acceptance, costs)  # noqa: E731
     free = ngram.StepCosts(**FREE_COSTS)
-    cpu = bp.batch_step_costs(ngram.StepCosts(**CPU_FP32_COSTS), 2)
+    cpu = root.costs_of(tiny_drafter()).batch_step_costs(ngram.StepCosts(**CPU_FP32_COSTS), 2)
     costly = ngram.StepCosts(multi_token_step=10.0, per_token=10.0, draft=10.0)
     strong = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
     weak = [0.05] * 7
@@ -309,31 +311,61 @@ def test_the_batch_drafts_only_when_its_slowest_row_gains():
     assert not bp.draft_pays([rule(strong, free)] * 2, [None, None], [0, 0], free)  # nothing may be drafted
 
 
-def test_batched_refusals_name_the_fix(accepting_batch):
+def test_a_batch_on_a_sliding_window_cache_commits_in_lockstep_and_stays_exact(accepting_batch):
+    """A cache whose layers keep a window (counted in slots) cannot take holes: the rows commit the least any row
+    accepted (a prefix of each row's own tokens), and equal the target's own batched generate on the same cache."""
     from transformers import StaticCache
     from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
     target, drafter, ids, mask = accepting_batch
-    kw = dict(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    windowed = Cache(layers=[DynamicSlidingWindowLayer(sliding_window=16) for _ in range(target.config.num_hidden_layers)])
-    with pytest.raises(ValueError, match="cache_implementation=None"):
-        target.generate(**kw, past_key_values=windowed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    def windowed():
+        return Cache(layers=[DynamicSlidingWindowLayer(sliding_window=64) for _ in range(target.config.num_hidden_layers)])
+
+    ref = target.generate(**kw, past_key_values=windowed())
+    with root.generation().collect_stats() as runs:
+        out = target.generate(**kw, assistant_model=drafter, past_key_values=windowed())
+    assert torch.equal(ref, out)
+    lengths = runs[-1].row_accept_lengths
+    assert all(a == b for a, b in zip(lengths[0], lengths[1]))  # lockstep: every row the same per step
+    assert runs[-1].drafted > 0  # drafts were verified (whether all rows kept them varies by architecture)
     # a user's own static cache is served (no room reserved beyond its slots: the last steps draft less)
-    ref = target.generate(**{**kw, "assistant_model": None}, past_key_values=StaticCache(config=target.config, max_cache_len=16))
-    out = target.generate(**kw, past_key_values=StaticCache(config=target.config, max_cache_len=16))
+    kw = {**kw, "max_new_tokens": 4}
+    ref = target.generate(**kw, past_key_values=StaticCache(config=target.config, max_cache_len=16))
+    out = target.generate(**kw, assistant_model=drafter, past_key_values=StaticCache(config=target.config, max_cache_len=16))
     assert torch.equal(ref, out)
 
 
-def test_batched_refuses_stateful_targets():
+@pytest.mark.parametrize("arch", ["glm5_next", "qwen3_next"])
+def test_a_batch_of_a_stateful_target_equals_its_batched_generate(arch):
+    """Linear-attention targets (the seed's own GLM-5.3-Flash is one) in a batch: mixed prompt lengths, an EOS that
+    ends rows at different steps; each step's recurrent state is rolled back and replayed over the tokens every row
+    commits (lockstep), so every row equals the target's own batched greedy generate."""
     from test_stateful import drafter_for
 
-    from dflash2_tools.tiny_targets import tiny_glm5_next
+    from dflash2_tools import tiny_targets
 
-    target = tiny_glm5_next()
-    drafter = drafter_for(target)
-    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
-    with pytest.raises(ValueError, match="prompt by prompt"):
-        target.generate(input_ids=ids, attention_mask=(ids > 0).long(), assistant_model=drafter, max_new_tokens=4, do_sample=False)
+    target = getattr(tiny_targets, f"tiny_{arch}")()
+    shape = drafter_for(target).config
+    drafter, prompts = overfit_drafter(target, steps=60, target_layer_ids=shape.target_layer_ids,
+                                       target_hidden_reduction=shape.target_hidden_reduction, conv_group_size=8)
+    lengths = [3, 9, 1, 6]
+    rows = [prompts[i % len(prompts)][:n] for i, n in enumerate(lengths)]
+    ids = torch.tensor([[0] * (9 - len(p)) + p for p in rows])  # [4, 9] left-padded
+    mask = (torch.arange(9)[None] >= torch.tensor([9 - n for n in lengths])[:, None]).long()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    ref = target.generate(**kw, eos_token_id=None)
+    eos = int(ref[:, 9 + 4 :].flatten().mode().values)  # a token some rows emit mid-way
+    ref = target.generate(**kw, eos_token_id=eos)
+    with root.generation().collect_stats() as runs:
+        out = target.generate(**kw, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(ref, out)
+    assert runs[-1].drafted > 0 and runs[-1].rollback_seconds > 0  # drafts verified, states rolled back
+    with root.generation().collect_stats() as runs:  # one prompt: a batch of one through the same loop
+        one = target.generate(**{**kw, "input_ids": ids[1:2], "attention_mask": mask[1:2]}, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(one, ref[1:2, : one.shape[1]])
+    assert runs[-1].accepted > 0, runs[-1].as_dict()  # drafts were accepted in part: the state was replayed
 
 
 # ---- sampling ------------------------------------------------------------------------------------------------------

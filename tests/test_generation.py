@@ -274,7 +274,7 @@ def _draft_with_missing_tokens(target, drafter, prompts, monkeypatch):
     vocab = [t for t in range(VOCAB) if t not in emitted[::2]]  # every other emitted token is missing
     monkeypatch.setattr(drafter.config, "draft_vocab_ids", vocab)
     drafted_tokens = []
-    gen = root.proposer_of(drafter)  # the module whose DFlash2Proposer calls propose
+    gen = root.proposer_of(drafter)  # the module whose Proposer calls propose
     original = gen.propose
 
     def spy(*args, **kwargs):
@@ -297,15 +297,15 @@ def test_generation_drafts_equal_training_time_drafts(accepting, gen_module, mon
     target, drafter, prompts = accepting
     cfg = drafter.config
     steps = []  # (anchor position, drafted tokens)
-    original = gen_module.DFlash2Proposer.propose_path
+    original = gen_module.Proposer.propose
 
-    def spy(self, input_ids, *args, **kwargs):
-        proposal = original(self, input_ids, *args, **kwargs)
-        if proposal.tokens:
-            steps.append((input_ids.shape[1] - 1, list(proposal.tokens)))
-        return proposal
+    def spy(self, *args, **kwargs):
+        proposals = original(self, *args, **kwargs)  # one row: [its path]
+        if proposals[0].tokens:
+            steps.append((self.lengths[0] - 1, list(proposals[0].tokens)))  # the anchor's position
+        return proposals
 
-    monkeypatch.setattr(gen_module.DFlash2Proposer, "propose_path", spy)
+    monkeypatch.setattr(gen_module.Proposer, "propose", spy)
     ids = torch.tensor([prompts[2][:9]])  # a prefix the drafter did not see whole in training
     out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=35, eos_token_id=None, pad_token_id=0,
                           prompt_lookup_num_tokens=0)  # the block draft alone (no n-gram proposals)

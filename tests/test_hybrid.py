@@ -232,18 +232,18 @@ def test_drafts_after_skipped_drafter_steps_equal_training_time_drafts(accepting
 
     target, drafter, prompts = accepting  # the default rule: certain on 4-token matches only
     ids = torch.tensor([prompts[2][:9]])  # new text first (the drafter drafts), then the target loops (skips)
-    drafts, original = [], gen_module.DFlash2Proposer.draft_path
+    drafts, original = [], gen_module.Proposer.draft_block
 
-    def spy(self, input_ids, *args):
-        draft = original(self, input_ids, *args)
-        drafts.append((input_ids.shape[1] - 1, draft.tokens[0].tolist()))
+    def spy(self, anchors, n):
+        draft = original(self, anchors, n)
+        drafts.append((self.lengths[0] - 1, draft.tokens[0].tolist()))  # the anchor's position
         return draft
 
-    gen_module.DFlash2Proposer.draft_path = spy
+    gen_module.Proposer.draft_block = spy
     try:
         out, stats = _generate(gen_module, target, drafter, ids, max_new_tokens=60, eos_token_id=None)
     finally:
-        gen_module.DFlash2Proposer.draft_path = original
+        gen_module.Proposer.draft_block = original
     skipped = len(stats.proposers) - len(drafts)
     assert skipped > 0 and len(drafts) > 1, (skipped, len(drafts))
     cfg = drafter.config

@@ -51,8 +51,6 @@ def test_static_cache_without_compile_pads_nothing_and_stays_exact(gen_module):
 
 def test_what_no_mode_serves_is_refused_before_any_forward(gen_module):
     """The loop's refusals name the fix and come before the target runs (a forward counter stays at zero)."""
-    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
-
     from dflash2_tools.tiny_targets import tiny_glm5_next
 
     target = tiny_target("llama")
@@ -63,10 +61,9 @@ def test_what_no_mode_serves_is_refused_before_any_forward(gen_module):
         with pytest.raises(ValueError, match="output_attentions/output_hidden_states"):
             target.generate(torch.tensor([[3, 5, 7]]), assistant_model=drafter, max_new_tokens=4, return_dict_in_generate=True,
                             output_hidden_states=True, pad_token_id=0)
-        windowed = Cache(layers=[DynamicSlidingWindowLayer(sliding_window=16) for _ in range(target.config.num_hidden_layers)])
-        with pytest.raises(ValueError, match="cache_implementation=None"):  # a batch on a sliding-window cache
+        with pytest.raises(ValueError, match="use_cache=True"):
             target.generate(torch.tensor([[3, 5, 7], [4, 6, 8]]), assistant_model=drafter, max_new_tokens=4, pad_token_id=0,
-                            past_key_values=windowed)
+                            use_cache=False)
     finally:
         handle.remove()
     assert not forwards
@@ -80,8 +77,9 @@ def test_what_no_mode_serves_is_refused_before_any_forward(gen_module):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_preallocated_drafter_step_equals_the_dynamic_one(compiled):
     """The drafter's context K/V in a preallocated cache (and its step compiled, new context padded to a block): the
-    same block hiddens as the growing dynamic cache, step after step, with 1..B and more new context tokens per step
-    (more than a block runs eagerly), a sliding-window layer and an odd block; the compiled step is ONE graph."""
+    same block hiddens as the growing dynamic cache, step after step, for a batch of 2 rows with holes (a row keeps
+    fewer than the step wrote), 1..B and more new context tokens per step (more than a block runs eagerly), a
+    sliding-window layer (its window counts positions, not slots) and an odd block; the compiled step is ONE graph."""
     from transformers import GenerationConfig
 
     from dflash2_tools.benchmark import compile_on_any_device
@@ -91,22 +89,47 @@ def test_preallocated_drafter_step_equals_the_dynamic_one(compiled):
                            sliding_window=9)
     proposer_module = root.proposer_of(drafter)
     config = GenerationConfig(do_sample=False, max_length=64, pad_token_id=0)
-    dynamic = proposer_module.DFlash2Proposer(target, drafter, config)
-    static = proposer_module.DFlash2Proposer(target, drafter, config)
+    prompts = [[3, 4, 5], [6, 7]]
+    dynamic = proposer_module.Proposer(target, drafter, config, prompts)
+    static = proposer_module.Proposer(target, drafter, config, prompts)
     static.preallocate(64, compile_on_any_device() if compiled else None)
     torch._dynamo.reset()
     before = graphs_compiled()
     width = drafter.fc.in_features
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 50, (1, 3), generator=g)
+    anchors = torch.tensor([5, 7])
     for step, n_new in enumerate((3, 1, 4, 5, 2, 7, 3, 1)):  # a prompt shorter than a block (its first call is compiled),
-        features = torch.randn(1, n_new, width, generator=g)  # then what steps commit (7 > a block: eager)
-        ids = ids if step == 0 else torch.cat([ids, torch.randint(1, 50, (1, n_new), generator=g)], dim=1)
-        dynamic.pending_features, static.pending_features = [features], [features]
+        features = torch.randn(2, n_new, width, generator=g)  # then what steps commit (7 > a block: eager)
+        mask = torch.ones(2, n_new, dtype=torch.long)
+        if step == 0:
+            mask[1, 0] = 0  # the shorter prompt is left-padded
+        elif n_new > 1:
+            mask[1, n_new // 2 :] = 0  # row 1 kept fewer: holes
+        dynamic.pending, static.pending = [(features, mask)], [(features, mask)]
         with torch.no_grad():  # as in generate
-            expected = dynamic.draft_hidden(ids)
-            got = static.draft_hidden(ids)
+            expected = dynamic.draft_hidden(anchors)
+            got = static.draft_hidden(anchors)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
-    assert static.committed == dynamic.committed == ids.shape[1]
+        assert static.real == dynamic.real
     if compiled:
         assert graphs_compiled() - before == 1  # one graph for every step of up to a block of new context
+
+
+def test_holes_do_not_move_a_sliding_drafter_window():
+    """A row with holes in the drafter's context drafts what it drafts without them: its keys carry positions."""
+    from transformers import GenerationConfig
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           sliding_window=4)
+    proposer_module = root.proposer_of(drafter)
+    config = GenerationConfig(do_sample=False, max_length=64, pad_token_id=0)
+    width = drafter.fc.in_features
+    features = torch.randn(1, 9, width, generator=torch.Generator().manual_seed(1))
+    holed = proposer_module.Proposer(target, drafter, config, [[1]])
+    plain = proposer_module.Proposer(target, drafter, config, [[1]])
+    holed.pending = [(torch.cat([features[:, :4], torch.zeros(1, 3, width), features[:, 4:]], 1),
+                      torch.tensor([[1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]]))]  # 3 holes in the middle
+    plain.pending = [(features, torch.ones(1, 9, dtype=torch.long))]
+    with torch.no_grad():
+        torch.testing.assert_close(holed.draft_hidden(torch.tensor([5])), plain.draft_hidden(torch.tensor([5])), atol=2e-5, rtol=1e-4)

@@ -42,7 +42,7 @@ def test_lattice_scores_every_parent_at_once(tree_module):
     drafter = tiny_drafter()
     torch.manual_seed(0)
     hidden, logits = torch.randn(4, 48), torch.randn(4, VOCAB)
-    candidates, log_probs = tree_module.lattice_log_probs(drafter, hidden, logits, None, anchor=5)
+    candidates, log_probs = tree_module.lattice_lists(tree_module.lattice_table(drafter, hidden, logits, None, 5).cpu())
     selector = drafter.candidate_selector
     top_values, top_ids = logits.topk(selector.top_k, dim=-1)
     gated = selector.hidden_projection(hidden)
@@ -83,12 +83,15 @@ def test_ancestor_mask_and_tree_attention_mask(tree_module):
 
 
 def test_cache_keeps_the_accepted_path_in_order(tree_module):
+    """The loop's commit after a tree step: the kept nodes first in the step's slots (``kept_first``), the rest cut."""
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache()
     keys = torch.arange(7, dtype=torch.float32).view(1, 1, 7, 1).expand(1, 2, 7, 3).contiguous()  # past 3 + 4 nodes
     cache.update(keys, keys + 100, 0)
-    tree_module.keep_cache_entries(cache, 3, [0, 2, 3])
+    holes = root.holes()
+    holes.kept_first(cache, 3, torch.tensor([[0, 2, 3, 1]]))
+    holes.crop_tail(cache, 1)
     assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 6]
     assert cache.layers[0].values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 105, 106]
 
@@ -148,7 +151,7 @@ def test_processors_see_each_nodes_own_prefix_once_per_depth(tree_module):
             return scores + ids[:, -1:].float()  # a processor that depends on the prefix
 
     raw = torch.zeros(4, 10)
-    out = accept.process_nodes(tree, raw, torch.tensor([[1, 2]]), Record([0]))
+    out = accept.process_tree(raw, tree, [1, 2], 0, 1, Record([0]))  # one row of a one-row call
     assert seen == [[[1, 2]], [[1, 2, 4], [1, 2, 5]], [[1, 2, 5, 6]]]  # one call per depth
     assert out[:, 0].tolist() == [2, 4, 5, 6] and out[c, 3] == 6 and out[a, 0] == 4
 
