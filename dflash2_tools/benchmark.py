@@ -349,8 +349,13 @@ def plot(results, rows, out: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec = [r for r in results if r["method"] == "dflash2" and r["per_position_acceptance"]]
-    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4))
+    drafting = next((m for m in ("dflash2", "dflash2+ngram") if any(r["method"] == m and r["per_position_acceptance"]
+                                                                     for r in results)), None)
+    spec = [r for r in results if r["method"] == drafting and r["per_position_acceptance"]]
+    fig, axes = plt.subplots(1, 3, figsize=(16.5, 4)) if spec else plt.subplots(1, 1, figsize=(7, 4), squeeze=False)
+    axes = list(axes.flat) if not spec else axes
+    if not spec:  # no drafter steps to draw: the speedup panel alone
+        axes = [None, None, axes[0]]
     if spec:
         n = len(spec[0]["per_position_acceptance"])
         for pset in sorted({r["prompt_set"] for r in spec}):
@@ -358,11 +363,11 @@ def plot(results, rows, out: Path):
             if rs:
                 curve = [statistics.mean(r["per_position_acceptance"][i] for r in rs) for i in range(n)]
                 axes[0].plot(range(1, n + 1), curve, "o-", label=pset)
-        axes[0].set(title="DFlash 2 per-position acceptance (T=0)", xlabel="block position", ylabel="P(accepted | drafted)", ylim=(0, 1))
+        axes[0].set(title=f"{drafting}: per-position acceptance (T=0)", xlabel="block position", ylabel="P(accepted | drafted)", ylim=(0, 1))
         axes[0].legend()
         lengths = [a for r in spec for a in r["accept_lengths"]]
         axes[1].hist(lengths, bins=range(1, max(lengths) + 2), align="left", rwidth=0.8)
-        axes[1].set(title="DFlash 2 acceptance length per step", xlabel="tokens per target forward", ylabel="steps")
+        axes[1].set(title=f"{drafting}: tokens per target forward", xlabel="tokens per target forward", ylabel="steps")
     greedy = [r for r in rows if r["temperature"] == rows[0]["temperature"]]
     sets = sorted({r["prompt_set"] for r in greedy})
     methods = sorted({(r["dtype"], r["method"]) for r in greedy}, key=lambda dm: (dm[0], method_rank(dm[1])))
@@ -427,7 +432,10 @@ def main(argv=None):
     results = benchmark(args)
     rows = summarize(results)
     table = markdown_table(rows)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": rows, "runs": results}, indent=1))
+    from .card import machine_info
+
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "machine": machine_info(), "summary": rows, "runs": results},
+                                                 indent=1))
     profile = profile_table([r for r in rows if r["method"] not in LLAMACPP_METHODS])
     llama_rows = llamacpp_table(rows)
     if llama_rows:
