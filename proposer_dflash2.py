@@ -239,7 +239,8 @@ class Proposer:
         rows, n_new = new_mask.shape
         if self.slots is not None and self.mask.shape[1] + max(n_new, block) + block > self.slots:
             self.mask = compact(self.cache, self.mask)  # in place: the static slots stay where they are
-        padded = block if self.compiled_step is not None and n_new <= block else n_new  # a compiled step's shapes
+        fixed = self.compiled_step is not None and n_new <= block  # the compiled graph's shapes (more context: eager)
+        padded = block if fixed else n_new
         features = torch.nn.functional.pad(features, (0, 0, 0, padded - n_new))  # [b, c, n*H]: padding rows at the end
         new_mask = torch.nn.functional.pad(new_mask, (0, padded - n_new))  # [b, c]
         real = torch.tensor(self.real, device=self.device)  # [b]
@@ -252,11 +253,13 @@ class Proposer:
             key_positions = torch.nn.functional.pad(key_positions, (0, self.slots - key_positions.shape[1]))  # [b, S]
             key_mask = torch.nn.functional.pad(key_mask, (0, self.slots - key_mask.shape[1]))  # [b, S]
         block_ids = torch.cat([anchors[:, None], anchors.new_full((rows, block - 1), self.config.mask_token_id)], 1)  # [b, B]
-        step = self.compiled_step if self.compiled_step is not None and padded == block and n_new <= block else self.drafter
+        step = self.compiled_step if fixed else self.drafter
         out = step(noise_embeds=self.drafter.embed_block(self.embed_tokens, block_ids), context_hidden_states=features,
                    position_ids=torch.cat([key_positions[:, self.mask.shape[1] : context_mask.shape[1]], block_positions], 1),
                    attention_mask=key_mask, key_positions=key_positions, past_key_values=self.cache)
-        hidden = out.last_hidden_state[:, 1:].clone()  # [b, B-1, H] (a CUDA-graph replay reuses its output memory)
+        hidden = out.last_hidden_state[:, 1:]  # [b, B-1, H]
+        if fixed:
+            hidden = hidden.clone()  # a CUDA-graph replay reuses its output memory
         crop_tail(self.cache, block + padded - n_new)  # keep the real context columns only
         self.mask = torch.cat([self.mask, new_mask[:, :n_new]], dim=1)
         self.real = after.tolist()

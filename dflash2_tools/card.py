@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import sys
@@ -49,8 +50,6 @@ def machine_info() -> dict:
         flags = set(re.search(r"flags\s*:\s*(.+)", text).group(1).split())
     except (OSError, AttributeError):
         pass
-    import os
-
     return {"cpu": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "torch": torch.__version__, "transformers": transformers.__version__}
@@ -59,7 +58,7 @@ def machine_info() -> dict:
 def results_block(saved: dict) -> str:
     """The Results table: per set, median speedup over the target alone and tokens per target forward."""
     args, rows = saved["args"], saved["summary"]
-    sets = [s for s in args["prompt_sets"]]
+    sets = list(args["prompt_sets"])
     cell = {(r["prompt_set"], r["method"]): r for r in rows if r["temperature"] == 0}
     methods = [m for m in METHOD_NAMES if any((s, m) in cell for s in sets)]
     machine = saved.get("machine") or {}
