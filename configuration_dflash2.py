@@ -1,19 +1,10 @@
-"""DFlash 2 drafter configuration.
+"""DFlash 2 drafter configuration: the drafter's own architecture (a Qwen3-style decoder stack) and its relation to
+the TARGET it drafts for (the target layers that feed it, the mask token, the block size, the logit transforms).
 
-One config object carries the drafter's own architecture (a Qwen3-style decoder
-stack) and its relation to the TARGET it drafts for (which target layers feed it,
-the mask token, the block size, the target's logit transforms).
-
-Serialised ``config.json`` is readable by three consumers at once:
-
-* transformers ``AutoConfig``/``AutoModel`` with ``trust_remote_code`` (``auto_map``);
-* transformers' built-in DFlash path, which reads ``target_layer_ids``,
-  ``block_size`` and ``mask_token_id`` at the top level;
-* SGLang / vLLM, which read ``architectures: ["DFlash2DraftModel"]`` and the nested
-  ``dflash_config`` dict.
-
-The official release format (``model_type: qwen3`` + nested ``dflash_config``) is read
-by ``DFlash2Config.from_pretrained`` / ``from_dict`` as well.
+``config.json`` is read by three consumers at once: transformers ``AutoConfig``/``AutoModel`` with
+``trust_remote_code`` (``auto_map``); transformers' built-in DFlash path (``target_layer_ids``, ``block_size``,
+``mask_token_id`` at the top level); SGLang / vLLM (``architectures: ["DFlash2DraftModel"]`` and the nested
+``dflash_config``). The official release format (``model_type: qwen3`` + nested ``dflash_config``) loads too.
 """
 
 from __future__ import annotations
@@ -25,19 +16,9 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 # Keys of the nested ``dflash_config`` dict read by SGLang and vLLM.
-DFLASH_CONFIG_KEYS = (
-    "block_size",
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-    "mask_token_id",
-    "target_layer_ids",
-    "output_multiplier",
-    "final_logit_softcapping",
-    "input_embedding_scale",
-    "target_hidden_reduction",
-)
+DFLASH_CONFIG_KEYS = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "mask_token_id",
+                      "target_layer_ids", "output_multiplier", "final_logit_softcapping", "input_embedding_scale",
+                      "target_hidden_reduction")
 # Keys engines accept in ``dflash_config`` beside those (vLLM, SGLang, LMDeploy, llama.cpp's converter).
 # Each is either mapped onto this config (same semantics) or refused when it asks for something this
 # code does not implement -- never ignored:

@@ -1,27 +1,21 @@
-"""What a decoding step costs on THIS device, measured once per process, for the hybrid rule and the tree choice.
+"""What a decoding step costs on THIS device, measured once per machine (kept on disk), for the rule and the tree choice.
 
-The rule (ngram_dflash2.HybridRule) weighs expected tokens against cost in one-token target forwards:
-verifying L drafted tokens costs ``1 + multi_token_step + per_token * L`` and a draft costs ``draft``.
-Those numbers differ by orders of magnitude between a compute-bound CPU (a 16-token forward ~2x a
-one-token one), a CPU with native bf16 (~1.1x) and a GPU (~1x for a dense model, more for a MoE whose
-extra tokens touch extra experts). So at first use per (device, dtype, target, drafter) we time:
-
-    t(n)   a target forward of n = 1, 2 and n_max tokens (fresh cache, the taps asked for); n_max = the longest
-           linear verification, 1 + max(block_size - 1, the n-gram continuation length)
-    draft  a drafter forward over a block + the draft head + the selector walk
-
-(CUDA events on a GPU, ``perf_counter`` elsewhere; an n_max forward and a draft to warm up, then 2 rounds of
-all four, a third if they took under 0.3 s; medians; a batch of ``rows`` rows: each forward over a 128-token
-context, 3 to 8 rounds within 1.5 s, fastest rounds), and fit ``t(n) / t(1) = 1 + multi_token_step +
-per_token * (n - 1)`` through n = 2 and n_max: the fit is exact at the shortest and the longest verification
-(the true curve is concave: a longer GEMM is more efficient per token, so fitting through the block alone would
-overcharge long n-gram continuations). ``hybrid_ngram["costs"]`` in the drafter config still overrides;
-the per-device table (``table_step_costs``) is the fallback when a measurement cannot run.
+The rule (ngram_dflash2.HybridRule) weighs expected tokens against cost in one-token target forwards: verifying L
+drafted tokens costs ``1 + multi_token_step + per_token * L``, a draft ``draft``. Those differ by orders of magnitude
+between a compute-bound CPU, a CPU with native bf16 and a GPU, so at first use per (device, dtype, target, drafter)
+we time t(n), target forwards of n = 1, 2 and n_max tokens (the longest linear verification), and one draft (drafter
+forward + head + selector walk), with CUDA events on a GPU; medians of 2-3 rounds (a batch: over a 128-token context,
+the fastest of 3-8 rounds within 1.5 s), and fit ``t(n) / t(1) = 1 + multi_token_step + per_token * (n - 1)`` through
+n = 2 and n_max (exact at the shortest and longest verification: the true curve is concave). ``hybrid_ngram["costs"]``
+overrides; the per-device table (``table_step_costs``) is the fallback when a measurement cannot run.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import platform
 import statistics
 import time
 
@@ -37,6 +31,10 @@ MIN_ROUNDS, MAX_ROUNDS = 2, 3
 BATCH_MEASURE_SECONDS, BATCH_MIN_ROUNDS, BATCH_MAX_ROUNDS = 1.5, 3, 8
 BATCH_CONTEXT_TOKENS = 128
 _MEASURED: dict[tuple, dict] = {}  # per process: key -> costs
+# ...and on disk, so that a new process (a server's restart, the next script) does not measure again: one JSON file,
+# keyed by the device's model (CPU model and threads, or GPU name), dtype, target, drafter and torch version.
+# DFLASH2_COST_CACHE names the file; empty turns it off.
+COST_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dflash2", "step_costs.json")
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -101,6 +99,38 @@ def _cache_key(target, drafter, device, dtype, rows: int = 1) -> tuple:
             tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, drafter.config.block_size, drafter.config.num_hidden_layers)
 
 
+def _machine(device) -> str:
+    """The device's model: a GPU's name, or the CPU's model name and the threads torch uses."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} x{torch.get_num_threads()}"
+
+
+def _disk_costs(key: tuple, device, costs: dict | None = None) -> dict | None:
+    """Read the costs stored for ``key`` on this device model (None: none), or store ``costs``; never fails a call."""
+    path = os.environ.get("DFLASH2_COST_CACHE", COST_CACHE)
+    if not path:
+        return None
+    name = repr((*key, _machine(device), torch.__version__))
+    try:
+        stored = json.loads(open(path).read()) if os.path.exists(path) else {}
+        if costs is None:
+            return stored.get(name)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({**stored, name: costs}, f, indent=1)
+        os.replace(path + ".tmp", path)  # the whole file or the old one
+    except (OSError, ValueError):
+        return None
+    return costs
+
+
 @torch.no_grad()
 def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) -> dict:
     """Time the target's 1-, 2- and longest-verification forwards and one draft; return the fitted costs (module doc).
@@ -162,21 +192,11 @@ def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int
 
 
 def step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) -> tuple[dict, str]:
-    """(costs, source) for this call, by ``hybrid_ngram["costs"]``:
-
-    * a dict: those numbers ("config");
-    * ``"table"``: the per-device table ("table");
-    * ``"measured"``: measured once per process ("measured"; the table if the measurement fails);
-    * None (default): the table on an fp32 CPU -- the regime the shipped rule's ``drafter_scale`` and
-      ``ngram_margin`` were grid-searched in together with those numbers (``calibrate_hybrid --costs``), where
-      they beat this CPU's own measured costs (docs/evaluation.md) -- and measured everywhere else (GPUs, bf16),
-      where the table is far from the truth.
-
-    ``rows`` > 1 (a batch): the costs of verifying every row at once, in units of a plain batched step. A batch is
-    measured whenever one row would be measured or looked up in the table (the table holds one-row numbers); a
-    configured dict is scaled by token count (``batch_step_costs``, by ``batch_costs``).
-
-    ``lm_head``: the draft head (None: built from the target's when a measurement needs it)."""
+    """(costs, source) for this call, by ``hybrid_ngram["costs"]``: a dict: those ("config"); ``"table"``: the per-device
+    table; ``"measured"``: this device's (the table if measuring fails); None (default): the table on an fp32 CPU (the
+    regime the shipped rule was grid-searched in, where it beat the measured costs: docs/evaluation.md), measured
+    everywhere else. ``rows`` > 1: a batch's costs, in plain batched steps (measured whenever one row would be measured
+    or use the table; a configured dict is scaled by ``batch_costs``). ``lm_head``: the draft head (None: built)."""
     configured = drafter.config.hybrid_settings()["costs"]
     dtype = next(drafter.parameters()).dtype
     if isinstance(configured, dict):
@@ -185,11 +205,15 @@ def step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) ->
         return table_step_costs(device, dtype), "table"
     key = _cache_key(target, drafter, device, dtype, rows)
     if key not in _MEASURED:
-        try:
-            lm_head = lm_head if lm_head is not None else drafter.draft_head(target.get_output_embeddings())
-            _MEASURED[key] = measure_step_costs(target, drafter, lm_head, device, rows)
-        except (RuntimeError, ValueError, TypeError) as error:  # a target whose bare forward we cannot call: the table
-            return {**table_step_costs(device, dtype), "error": f"{type(error).__name__}: {error}"[:200]}, "table"
+        costs = _disk_costs(key, device)  # measured by an earlier process on this machine
+        if costs is None:
+            try:
+                lm_head = lm_head if lm_head is not None else drafter.draft_head(target.get_output_embeddings())
+                costs = measure_step_costs(target, drafter, lm_head, device, rows)
+            except (RuntimeError, ValueError, TypeError) as error:  # a target whose bare forward we cannot call: the table
+                return {**table_step_costs(device, dtype), "error": f"{type(error).__name__}: {error}"[:200]}, "table"
+            _disk_costs(key, device, costs)
+        _MEASURED[key] = costs
     return dict(_MEASURED[key]), "measured" if rows == 1 else f"measured at batch {rows}"
 
 

@@ -1,29 +1,20 @@
 """Ragged progress in one batch: cache slots every row writes, HOLES where a row did not keep what was written.
 
-A batched step writes the same number of cache slots for every row (a forward is rectangular), but each row keeps
-its own number of them. The slots a row does not keep stay where they are and become holes: the row's 2D mask
-(1 = a real entry) zeroes them from then on, and its position ids count real entries only, so the row attends to
-exactly the keys, at exactly the positions, it would see alone. What is touched per step is the tail only:
-
-* ``crop_tail``: the slots NO row kept are cut off the end (every row's cache ends at its longest keeper);
-* ``compact``: now and then (``should_compact``: the holes would free a quarter of the cache), ONE gather per
-  layer moves every row's real entries together, right-aligned; the cost is one pass over the cache, amortised
-  over the steps that made the holes;
-* ``select_rows``: a row that finished leaves the batch; its slice of every cache is dropped;
-* ``kept_first``: a step that verified a tree per row first moves each row's accepted nodes to the front of the
-  step's slots (a gather over those slots only), so that what follows is a chain's bookkeeping.
-
-Works on ``DynamicLayer`` caches (the target's full-attention layers, the drafter's context cache) and on a static
-cache's ``StaticLayer``s (preallocated: the tail is cut by setting the layer's length in place, compaction writes the
-gathered entries back into the first slots; the slots past the length are stale, and the 2D mask, which ends at the
-length, hides them); a layer that keeps more than keys and values (sliding windows, recurrent states, indexers) is
-committed in lockstep instead (``loop_dflash2``: no holes), and these functions only crop or select its rows.
+A batched step writes the same number of slots for every row, but each row keeps its own number of them. The slots
+a row does not keep stay and become holes: the row's 2D mask (1 = a real entry) hides them, and its position ids
+count real entries only, so the row attends to exactly the keys, at exactly the positions, it would see alone. Per
+step only the tail is touched: ``crop_tail`` cuts the slots no row kept; ``kept_first`` moves each row's accepted
+tree nodes to the front of its step's slots (a gather over those slots only); now and then (``should_compact``: a
+quarter of the cache would be freed) ``compact`` moves every row's real entries together in ONE gather per layer;
+``select_rows`` drops a finished row. ``DynamicLayer``s and static ``StaticLayer``s (preallocated: the length is set
+in place, stale slots past it are hidden by the mask); a layer that keeps more than keys and values (windows,
+recurrent states, indexers) is committed in lockstep instead (``loop_dflash2``) and only cropped or selected here.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 MIN_HOLES_TO_COMPACT = 32  # slots: below this a gather costs more than the holes do
 
@@ -38,8 +29,8 @@ def positions_from_mask(mask: torch.Tensor, start: torch.Tensor | None = None) -
 
 
 def kept_mask(kept: list[int], width: int, device) -> torch.Tensor:
-    """[b, width] 0/1: row i keeps its first ``kept[i]`` of the step's ``width`` slots."""
-    return (torch.arange(width, device=device)[None] < torch.tensor(kept, device=device)[:, None]).long()
+    """[b, width] 0/1: row i keeps its first ``kept[i]`` of the step's ``width`` slots (built on the host: one copy)."""
+    return torch.tensor([[1] * k + [0] * (width - k) for k in kept], device=device)
 
 
 def crop_tail(cache, n: int) -> None:
@@ -49,23 +40,32 @@ def crop_tail(cache, n: int) -> None:
         if type(layer) is StaticLayer:
             if layer.is_initialized and n > 0:
                 layer.cumulative_length.sub_(n)  # in place: the stale slots stay, past the length
-        else:
+        elif n > 0 or type(layer) is not DynamicLayer:
             layer.crop(-n)
 
 
-def kept_first(cache, start: int, order: torch.Tensor) -> None:
-    """Reorder the step's slots ``start..start+W`` of every row by ``order`` [b, W] (a permutation per row: the row's
-    kept tree nodes first, in path order), so that each row's kept entries lead its step's slots as a chain's do.
-    Tail-only: nothing before ``start`` is touched."""
-    width = order.shape[1]
+def kept_first(cache, start: int, paths: list[list[int]], kept: int) -> torch.Tensor | None:
+    """Move each row's accepted nodes (``paths[i]``: node indices from the anchor, in order) to the first ``kept``
+    slots of the step (``start``...) in every layer, so that what follows is a chain's bookkeeping. Returns the order
+    [b, kept] (slot j of row i now holds node ``order[i, j]``), or None when nothing had to move (every row's path
+    is already its step's first slots: a chain, or a tree accepted along its first branch). Tail-only: the ``kept``
+    leading slots of the step are written, nothing before ``start``."""
+    order = [(path + list(range(len(path), kept)))[:kept] for path in paths]  # past a row's path: its own slots
+    if all(row == list(range(kept)) for row in order):
+        return None
+    index = torch.tensor(order)  # [b, K]
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        index = order.to(layer.keys.device)[:, None, :, None]  # [b, 1, W, 1]
+        slots = (index + start).to(layer.keys.device)  # [b, K] absolute slots
         for name in ("keys", "values"):
-            tensor = getattr(layer, name)
-            step = tensor[:, :, start : start + width]  # [b, h, W, d]
-            tensor[:, :, start : start + width] = step.gather(2, index.expand(*step.shape[:2], width, step.shape[-1]))
+            tensor = getattr(layer, name)  # [b, h, T, d]
+            if len(order) == 1:  # one row: a plain index_select (no expanded index)
+                moved = tensor.index_select(2, slots[0])  # [1, h, K, d]
+            else:
+                moved = tensor.gather(2, slots[:, None, :, None].expand(*tensor.shape[:2], kept, tensor.shape[-1]))  # [b, h, K, d]
+            tensor[:, :, start : start + kept] = moved
+    return index
 
 
 def should_compact(length: int, real: list[int]) -> bool:

@@ -1,36 +1,28 @@
 """The decoding loop behind ``target.generate(**inputs, assistant_model=drafter)``: every call, one loop.
 
-A call is a batch of rows (one prompt is a batch of one). Rows share every forward but not their progress. A step,
-after the prefill:
+A call is a batch of rows (one prompt is a batch of one); rows share every forward, not their progress. A step:
 
-    1. propose, per row: a path (that row's hybrid rule: block draft, n-gram continuation or nothing; the batch
+    1. propose, per row: a path (the row's hybrid rule: block draft, n-gram continuation or nothing; the batch
        verifies one length) or a tree (the row's top-K lattice plus its n-gram branch); ONE drafter forward
     2. verify: ONE target forward over [rows, W] ([anchor] + the largest proposal; smaller ones padded)
-    3. accept, per row: the target's choice after every node, ONE transfer for the batch, then each row's walk
-       (``accept_dflash2``: greedy argmax, or exact sampling); EOS and length per row
-    4. commit: trees first move each row's accepted nodes to the front of the step's slots; the slots no row kept
-       are cropped; the kept nodes' hidden states become the drafter's next context features
+    3. accept, per row: the target's choice after every node, ONE transfer for the batch, then the row's walk
+       (``accept_dflash2``: greedy, or exact sampling); EOS and length per row
+    4. commit: accepted tree nodes move to the front of the step's slots, the slots no row kept are cropped, and
+       the kept nodes' hidden states become the drafter's next context features
 
-How rows that accept different numbers of tokens share a cache, decided once per call (``plan_call``):
+Rows that keep different numbers of tokens share a cache in one of two ways, decided before the first forward:
 
-* holes (full-attention targets on dynamic or static caches): a row that kept fewer slots than another leaves
-  HOLES its mask hides from then on (``holes_dflash2``); its positions count real entries only, so it computes
-  exactly what it would alone. Verification runs under an explicit mask (``verification_attention``: SDPA for
-  sdpa and flash targets alike).
-* lockstep (one row; stateful targets, whose linear-attention state cannot skip a token; sliding-window caches,
-  whose window counts slots): every row commits the step's LEAST number of tokens (a prefix of what it accepted:
-  still exactly the target's tokens), so the cache stays rectangular and chains run on the target's own kernel
-  and 2D masks; linear-attention states are rolled back and replayed (``rollback_dflash2``).
+* holes (full-attention targets on dynamic or static caches, at batch > 1): a row that kept fewer slots leaves
+  HOLES its mask hides (``holes_dflash2``) and positions that count real entries, so it computes exactly what it
+  would alone; verification runs under that mask (``verification_attention``: SDPA for sdpa and flash targets);
+* lockstep (one row; stateful targets, sliding windows, other kernels): every row commits the step's LEAST count (a
+  prefix of what it accepted: still the target's tokens), so the cache stays rectangular and chains run on the
+  target's own kernel and 2D masks; linear-attention states are rolled back and replayed (``rollback_dflash2``).
 
-Static caches serve both: the tail is cut by setting the layers' length. With ``torch.compile`` (transformers' rule:
-a static cache on an accelerator, or ``compile_config`` with ``_compile_all_devices``) every verification forward is
-padded to the next power of two of rows (1, 2, 4, ... up to the widest step), finished rows stay in the batch as
-dead rows (no shape changes), and the drafter step runs one graph on a preallocated cache: a handful of graphs
-serves every call.
-
-The output is transformers' ``generate``'s: finished rows are padded with ``pad_token_id`` up to the longest row;
-streamers get [b] columns, in order; ``return_dict_in_generate`` gives sequences, scores and logits, and for one
-row the cache (a batch's has holes and dropped rows: it could not continue a generation).
+With a static cache and ``torch.compile`` (transformers' rule) verification widths are padded to powers of two,
+finished rows stay as dead rows and the drafter step runs one graph on a preallocated cache: a handful of graphs
+serves every call. The output is ``generate``'s: finished rows padded with ``pad_token_id``, streamers get [b]
+columns in order, ``return_dict_in_generate`` gives sequences, scores, logits and (one row) the cache.
 """
 
 from __future__ import annotations
@@ -104,18 +96,32 @@ def chain_tree(anchor: int, tokens: list[int]):
 
 
 def stopping_rows(stopping_criteria, sequences: dict[int, list[int]], rows: int, device) -> set[int]:
-    """The caller rows (keys of ``sequences``: row -> its sequence) whose stopping criteria fire. One call and one
-    transfer per group of rows of equal length: the call gets a full-size batch in which each row of the group holds
-    its own sequence (the others repeat one of them), as transformers' loop would show it at that length."""
+    """The caller rows (keys of ``sequences``: row -> its sequence) whose stopping criteria fire. transformers' own
+    length and EOS criteria are applied on the host (their rule, no tensor); any other criterion is called once per
+    group of rows of equal length, with one transfer: a full-size batch in which each row of the group holds its own
+    sequence (the others repeat one of them), as transformers' loop would show it at that length."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    stopped, others = set(), []
+    for criterion in stopping_criteria:
+        if type(criterion) is MaxLengthCriteria:  # input_ids.shape[-1] >= max_length
+            stopped.update(r for r, ids in sequences.items() if len(ids) >= criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:  # the last token is an EOS
+            eos = set(criterion.eos_token_id.view(-1).tolist())
+            stopped.update(r for r, ids in sequences.items() if ids[-1] in eos)
+        else:
+            others.append(criterion)
+    if not others:
+        return stopped
+    others = StoppingCriteriaList(others)
     by_length: dict[int, list[int]] = {}
     for r, ids in sequences.items():
         by_length.setdefault(len(ids), []).append(r)
-    stopped = set()
     for group in by_length.values():
         batch = [sequences[group[0]]] * rows
         for r in group:
             batch[r] = sequences[r]
-        fired = stopping_criteria(torch.tensor(batch, device=device), None).tolist()  # [rows]
+        fired = others(torch.tensor(batch, device=device), None).tolist()  # [rows]
         stopped.update(r for r in group if fired[r])
     return stopped
 
@@ -258,7 +264,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         # 3. accept, per row, from the target's choice after every node: ONE transfer for the batch
         if greedy_argmax:
             node_logits = logits  # [b, W, V]
-            choices = logits.argmax(-1).tolist()  # [b][W]
+            choices = torch.max(logits, -1).indices.tolist()  # [b][W]: argmax's first maximum, faster on CPU
         else:
             node_logits = [process_tree(logits[i, : len(tree)], tree, host_ids[r] + generated[r], r, rows, logits_processor)
                            for i, (r, tree) in enumerate(zip(active, trees))]  # b x [N_i, V]
@@ -286,11 +292,8 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
 
         # 4. commit: trees first move each row's kept nodes to the front of the step's slots; then the tail no row
         # kept goes, and the rest are holes where a row did not keep them
-        order = None
-        if budget:
-            order = torch.tensor([p + [k for k in range(width) if k not in p] for p in paths], device=device)  # [b, W]
-            kept_first(cache, start, order)
         longest = max(kept)
+        order = kept_first(cache, start, paths, longest)  # None for chains (nothing moves)
         crop_tail(cache, n_rows - longest)  # also shrinks sliding-window / conv layers back to their size
         if rollback is not None and width > 1:
             rollback.finish_step(accepted=longest, fed=n_rows)

@@ -37,6 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_dflash2 import DFlash2Config
 from .devices_dflash2 import execution_device, module_weights  # noqa: F401 (execution_device: part of this module's API)
+from .selector_dflash2 import DFlash2CandidateSelector, DraftVocabHead, SelectorWalk, linear_head  # noqa: F401 (this module's API)
 from .generation_dflash2 import dflash2_generate, install_assisted_generation_hook  # noqa: F401 (custom_generate uses it)
 
 
@@ -165,33 +166,6 @@ def block_attention_mask(
     if mask is None or (not fixed and bool(mask.all())):
         return None
     return mask[:, None].expand(-1, 1, query_positions.shape[1], -1)  # [b, 1, q, kv]
-
-
-def multi_block_training_mask(
-    anchor_positions: torch.Tensor, block_size: int, context_length: int, sliding_window: int | None = None, causal: bool = False
-) -> torch.Tensor:
-    """Training mask for many blocks of one sequence in a single forward.
-
-    Keys are ``[context (context_length tokens at positions 0..); block_0; block_1; ...]``.
-    Block b (anchor at position ``a_b``) sees context tokens at positions < a_b and its own
-    block only, exactly what it would see at inference.
-
-    anchor_positions [b, n_blocks] -> boolean mask [b, 1, n_blocks*block_size, context_length + n_blocks*block_size]
-    """
-    b, n_blocks = anchor_positions.shape
-    device = anchor_positions.device
-    k = torch.arange(block_size, device=device)
-    query_pos = (anchor_positions[:, :, None] + k).reshape(b, -1)  # [b, n*B]
-    query_block = torch.arange(n_blocks, device=device).repeat_interleave(block_size)  # [n*B]
-    ctx_pos = torch.arange(context_length, device=device)  # [c]
-    sees_ctx = ctx_pos[None, None, :] < anchor_positions.repeat_interleave(block_size, dim=1)[:, :, None]  # [b, n*B, c]
-    if sliding_window is not None:
-        sees_ctx = sees_ctx & (query_pos[:, :, None] - ctx_pos[None, None, :] < sliding_window)
-    same_block = query_block[:, None] == query_block[None, :]  # [n*B, n*B]
-    if causal:  # block position k sees block positions <= k
-        same_block = same_block & (k.repeat(n_blocks)[:, None] >= k.repeat(n_blocks)[None, :])
-    same_block = same_block.expand(b, -1, -1)  # [b, n*B, n*B]
-    return torch.cat([sees_ctx, same_block], dim=-1)[:, None]  # [b, 1, n*B, c + n*B]
 
 
 class DFlash2Attention(nn.Module):
@@ -341,116 +315,6 @@ class DFlash2DecoderLayer(nn.Module):
 
         hidden_states = self._sublayer(hidden_states, self.input_layernorm, attend, self.attention_conv, block_size)
         return self._sublayer(hidden_states, self.post_attention_layernorm, self.mlp, self.mlp_conv, block_size)
-
-
-@dataclass
-class SelectorWalk:
-    """One coherent path through the per-position top-K candidates.
-
-    tokens:     [b, n] chosen token at each drafted position
-    candidates: [b, n, K] candidate ids per position
-    log_q:      [b, n, K] log-probabilities of the proposal over the candidates (the chosen
-                predecessor is the path's own previous token); at temperature 0 a one-hot.
-    confidence: [b, n] softmax(S) (temperature 1) of the chosen candidate: how sure the walk is,
-                read by the hybrid n-gram rule to estimate the draft's accepted length.
-    """
-
-    tokens: torch.Tensor
-    candidates: torch.Tensor
-    log_q: torch.Tensor
-    confidence: torch.Tensor
-
-    def full_vocab_logits(self, vocab_size: int) -> torch.Tensor:
-        """log q scattered over the vocabulary (-inf outside the candidates): softmax gives q exactly."""
-        b, n, _ = self.log_q.shape
-        out = self.log_q.new_full((b, n, vocab_size), float("-inf"))
-        return out.scatter(-1, self.candidates, self.log_q)
-
-
-class DFlash2CandidateSelector(nn.Module):
-    """S_t(a, b) = U_t(b) + < A[a] * g_t , B[b] >   (SPEC 2b), over b in the top-K of the draft logits."""
-
-    def __init__(self, config: DFlash2Config):
-        super().__init__()
-        self.top_k = config.selector_top_k
-        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, config.selector_rank))
-        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, config.selector_rank))
-        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
-
-    def scores(self, gated: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor, predecessors: torch.Tensor):
-        """gated = hidden_projection(h): [..., R]; top_values/top_ids: [..., K]; predecessors: [...] -> S: [..., K]."""
-        pred = self.predecessor_codebook[predecessors].to(gated.dtype) * gated  # [..., R]
-        succ = self.successor_codebook[top_ids].to(gated.dtype)  # [..., K, R]
-        return top_values + torch.einsum("...r,...kr->...k", pred, succ)
-
-    def walk(
-        self,
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        temperature: float = 0.0,
-        generator: torch.Generator | None = None,
-        vocab_ids: torch.Tensor | None = None,
-    ) -> SelectorWalk:
-        """Walk from the anchor: greedy (T=0) or sampled from softmax(S/T) over the candidates.
-
-        hidden: [b, n, H] drafter hidden at drafted positions; logits: [b, n, V]; anchor_ids: [b].
-        vocab_ids: [V'] when ``logits`` cover a sub-vocabulary ([b, n, V']): maps its columns to token ids.
-        """
-        top_values, top_ids = logits.float().topk(self.top_k, dim=-1)  # [b, n, K]
-        if vocab_ids is not None:
-            top_ids = vocab_ids[top_ids]  # [b, n, K] sub-vocabulary columns -> token ids
-        gated = self.hidden_projection(hidden).float()  # [b, n, R]
-        prev = anchor_ids
-        tokens, log_qs, confidences = [], [], []
-        for t in range(logits.shape[1]):
-            s = self.scores(gated[:, t], top_values[:, t], top_ids[:, t], prev)  # [b, K]
-            if temperature > 0:
-                log_q = F.log_softmax(s / temperature, dim=-1)  # [b, K]
-                pick = torch.multinomial(log_q.exp(), 1, generator=generator).squeeze(-1)  # [b]
-            else:
-                pick = s.argmax(dim=-1)  # [b]
-                log_q = torch.full_like(s, float("-inf")).scatter(-1, pick[:, None], 0.0)
-            prev = top_ids[:, t].gather(-1, pick[:, None]).squeeze(-1)  # [b]
-            tokens.append(prev)
-            log_qs.append(log_q)
-            confidences.append(F.softmax(s, dim=-1).gather(-1, pick[:, None]).squeeze(-1))  # [b]
-        return SelectorWalk(torch.stack(tokens, 1), top_ids, torch.stack(log_qs, 1), torch.stack(confidences, 1))
-
-
-class DraftVocabHead(nn.Module):
-    """The target's LM head restricted to a sub-vocabulary: logits [..., V'] for token ids ``vocab_ids``.
-
-    Built once per generation call (a copy of V' rows of the target's head, never saved). On a
-    CPU the full head (V x H) costs more than the drafter's layers; drafting from the tokens
-    the target actually emits keeps nearly every hit at a fraction of that cost.
-    """
-
-    def __init__(self, lm_head: nn.Module, vocab_ids: list[int]):
-        super().__init__()
-        with module_weights(lm_head):  # real rows, also when accelerate offloaded the head
-            weight = lm_head.weight
-            self.register_buffer("vocab_ids", torch.tensor(vocab_ids, dtype=torch.long, device=weight.device), persistent=False)
-            self.register_buffer("weight", weight.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
-            bias = getattr(lm_head, "bias", None)
-            self.register_buffer("bias", None if bias is None else bias.detach()[self.vocab_ids], persistent=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear_head(hidden, self.weight, self.bias)  # [..., V']
-
-
-def linear_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., H] -> [..., V] = hidden @ weight.T (+ bias), computed as ``weight @ rows.T`` over 2-D rows.
-
-    Why not ``F.linear(hidden, weight)``: with a non-contiguous N-D input (a slice of the block)
-    it falls back to a broadcast bmm, ~8x slower fwd+bwd on a CPU; and on CPU BLAS the
-    weight-major product is 1.2-3x faster for few rows (7 drafted positions) than F.linear.
-    """
-    rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H] (copies only if hidden is not viewable)
-    logits = (weight @ rows.T).T  # [N, V]
-    if bias is not None:
-        logits = logits + bias
-    return logits.reshape(*hidden.shape[:-1], weight.shape[0])  # [..., V]
 
 
 @dataclass
@@ -652,5 +516,4 @@ __all__ = [
     "DFlash2PreTrainedModel",
     "DraftVocabHead",
     "SelectorWalk",
-    "multi_block_training_mask",
 ]

@@ -1,24 +1,14 @@
 """Hybrid drafting: a prompt-lookup (n-gram) proposer beside the DFlash 2 block draft.
 
-Small models repeat themselves, code and math quote their prompts: there an n-gram match
-over the prompt + generated text predicts long runs for free, while the drafter is weakest
-exactly where text is copied from far back. Where the text is new, there is no match and the
-drafter's block draft stands. Each step:
-
-    1. extend the n-gram index with the tokens committed since the last step (incremental:
-       a dict from each n-gram to the end of its latest earlier occurrence)
-    2. look up the context's last n tokens, n from ``max_n`` down to ``min_n``: the longest
-       match gives a continuation of up to ``num_tokens`` tokens
-    3. estimate per-token acceptance of both proposals: the drafter's from its per-position
-       confidences, the n-gram's from its match length (calibrated on data,
-       ``python -m dflash2_tools.calibrate_hybrid``); verify the proposal prefix with the most
-       expected tokens per unit of verification cost (HybridRule). When the n-gram beats even a
-       fully confident draft, the drafter forward is skipped (its context features wait for
-       the next draft)
-
-The rule reads only the committed context and this step's draft, so the proposal is fixed
-before the target verifies it: q is the point mass on an n-gram token and the selector's
-softmax on a drafted one, and speculative sampling stays exact.
+Small models repeat themselves, code and math quote their prompts: there an n-gram match over the prompt and the
+generated text predicts long runs for free, exactly where the drafter is weakest (text copied from far back); where
+the text is new there is no match and the block draft stands. Each step the n-gram index is extended with the
+committed tokens (a dict from each n-gram to the end of its latest earlier occurrence), the context's last n tokens
+are looked up (n from ``max_n`` down to ``min_n``), and ``HybridRule`` verifies the proposal prefix with the most
+expected tokens per unit of verification cost, the acceptance of each estimated from the drafter's confidences and
+the match length (calibrated: ``python -m dflash2_tools.calibrate_hybrid``); when the n-gram beats even a fully
+confident draft, the drafter forward is skipped. The rule reads only the committed context and this step's draft,
+so q (a point mass on an n-gram token, the selector's softmax on a drafted one) is fixed before verification: exact.
 """
 
 from __future__ import annotations
@@ -159,11 +149,6 @@ class HybridRule:
         """Per-token acceptance of a draft before it is drawn: P(i accepted | i-1 accepted) from the calibration."""
         cumulative = self.drafter_acceptance[:n_draft]
         return [p / q if q > 0 else 0.0 for p, q in zip(cumulative, [1.0, *cumulative])]
-
-    def run_drafter(self, match: NgramMatch | None, n_draft: int) -> bool:
-        """Is a draft worth its forward this step, judged by the drafter's mean acceptance? (One row: the batch's gate,
-        ``draft_pays``, the one the loop asks.)"""
-        return draft_pays([self], [match], [n_draft], self.costs)
 
     def choose(self, match: NgramMatch | None, confidences: list[float] | None) -> Proposal:
         """The proposal to verify; ``confidences`` None when the drafter did not run this step."""

@@ -27,7 +27,8 @@ from .costs_dflash2 import batch_costs, rule_costs
 from .holes_dflash2 import compact, crop_tail, positions_from_mask, select_rows, should_compact
 from .ngram_dflash2 import HybridRule, NgramIndex, PathProposal, batch_length, cut, draft_pays
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats
-from .tree_dflash2 import lattice_lists, lattice_table, tree_with_branch
+from .selector_dflash2 import lattice_lists, lattice_table
+from .tree_dflash2 import tree_with_branch
 
 def reduce_streams(hidden: torch.Tensor, reduction: str | None) -> torch.Tensor:
     """Hyper-connection targets give [b, t, streams, H]; reduce to [b, t, H] the way the config says."""
@@ -62,15 +63,9 @@ class Draft:
 
 
 def draft_length_policy(generation_config, block_size: int) -> tuple[int, bool]:
-    """(tokens verified per step, adapt it?) from transformers' ``num_assistant_tokens`` knobs.
-
-    The drafter always drafts its whole block (the convs and the mask are per block), but only the
-    first ``num_assistant_tokens`` (at most ``block_size - 1``; transformers' default 20 means all)
-    go to the target. On compute-bound hardware (a CPU) verifying a token costs nearly as much as
-    decoding one, so a short draft can beat the full block; on a GPU verification is almost free.
-    ``num_assistant_tokens_schedule="heuristic"`` (or ``"heuristic_transient"``) adapts the length
-    during a call the way transformers does for assistant models; here it always restarts per call.
-    """
+    """(tokens verified per step, adapt it?) from transformers' ``num_assistant_tokens`` knobs: the drafter drafts its
+    whole block, the first ``num_assistant_tokens`` (at most ``block_size - 1``) are verified (a CPU pays per verified
+    token); ``num_assistant_tokens_schedule="heuristic"`` adapts it per row during a call, as transformers does."""
     n = generation_config.num_assistant_tokens
     if n is None:
         n = block_size - 1
@@ -83,14 +78,9 @@ def draft_length_policy(generation_config, block_size: int) -> tuple[int, bool]:
 
 
 def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float, generator=None) -> Draft:
-    """Turn drafter hiddens at drafted positions ([b, n, H]) into proposed tokens.
-
-    With a selector: top-K + selector walk; q = softmax(S/T) over the candidates.
-    Without one (plain DFlash): argmax, or a sample from softmax(logits/T).
-    ``lm_head`` may be a ``DraftVocabHead`` (``drafter.draft_head``): logits then cover its
-    sub-vocabulary, and q is zero outside it (still exact speculative sampling: the residual
-    max(p - q, 0) carries the target's mass there).
-    """
+    """Drafter hiddens at drafted positions ([b, n, H]) -> proposed tokens: with a selector, top-K + its walk (q =
+    softmax(S/T) over the candidates); without, argmax or a sample from softmax(logits/T). With a ``DraftVocabHead``
+    q is zero outside its sub-vocabulary (still exact: the residual max(p - q, 0) carries the target's mass there)."""
     logits = drafter.draft_logits(lm_head, hidden).float()  # [b, n, V'] (V' = V without a sub-vocabulary)
     vocab_ids = getattr(lm_head, "vocab_ids", None)  # [V'] or None
     vocab_ids = None if vocab_ids is None else vocab_ids.to(logits.device)  # the head may sit on another device
@@ -112,14 +102,9 @@ def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temper
 
 
 def ngram_policy(generation_config, config) -> tuple[int, int, int]:
-    """(continuation length, min n, max n) of the hybrid n-gram proposer; length 0 = off.
-
-    transformers' own prompt-lookup knobs, passed together with ``assistant_model=drafter``, set
-    the hybrid (they would otherwise select plain prompt lookup and ignore the drafter):
-    ``prompt_lookup_num_tokens`` the continuation length (0 turns the n-gram proposer off),
-    ``max_matching_ngram_size`` the longest n-gram matched. Unset: the drafter config's
-    ``hybrid_ngram`` (defaults in configuration_dflash2.HYBRID_NGRAM_DEFAULTS).
-    """
+    """(continuation length, min n, max n) of the hybrid n-gram proposer (length 0: off): transformers' prompt-lookup
+    knobs passed with ``assistant_model=drafter`` (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``), else the
+    drafter config's ``hybrid_ngram`` (defaults: configuration_dflash2.HYBRID_NGRAM_DEFAULTS)."""
     settings = config.hybrid_settings()
     num_tokens, max_n = settings["num_tokens"], settings["max_n"]
     if generation_config.prompt_lookup_num_tokens is not None:

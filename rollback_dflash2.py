@@ -1,26 +1,19 @@
 """Exact rollback of stateful (linear-attention) target caches after a partial acceptance.
 
-Why this exists: a verification forward feeds the target ``1 + drafted`` tokens, but only the
-first ``accepted`` of them stay. Attention K/V (and a DSA indexer's keys) are cropped by
-transformers' own ``Cache.crop``; a linear-attention layer's conv state is too, once past
-recording is on. Its RECURRENT state is not croppable: it has already absorbed the rejected
-tokens. transformers 5.23 therefore refuses assisted generation for such targets
-(``_is_stateful``: ``qwen3_next``, ``glm5_next``, ...).
+A verification forward feeds the target ``1 + drafted`` tokens; only the first ``accepted`` stay. Attention K/V (and
+a DSA indexer's keys) are cropped by transformers' ``Cache.crop``, a linear-attention layer's conv state too once
+past recording is on; its RECURRENT state is not croppable (it absorbed the rejected tokens), which is why
+transformers refuses assisted generation for ``_is_stateful`` targets (``qwen3_next``, ``glm5_next``, ...). Per step
+(every row of a call commits the same count: ``loop_dflash2``'s lockstep):
 
-What we do, per decoding step (every row of a call commits the same number of tokens: ``loop_dflash2``'s lockstep):
-
-    1. before verification: snapshot each linear-attention layer's conv + recurrent state
-       (a few MB per layer) and arm a forward pre-hook on each linear-attention mixer that
-       records the mixer's inputs (its normed hidden states and local padding mask)
+    1. before verification: snapshot each linear-attention layer's conv + recurrent state, and arm a pre-hook on
+       each linear-attention mixer that records its inputs (normed hidden states, local padding mask)
     2. verification runs unchanged; transformers crops attention K/V and indexer keys
-    3. after acceptance of ``n`` of the fed tokens (n < fed): restore the snapshots and run each
-       linear-attention mixer again on its recorded inputs (every row) for the first ``n`` positions only.
-       That reruns the mixer's own projections, short conv and recurrence over <= block-size
-       tokens -- no attention, MoE, hyper-connection or other layers, no second target forward
+    3. after ``n`` < fed tokens are accepted: restore the snapshots and rerun each mixer on its recorded inputs for
+       the first ``n`` positions only (its projections, short conv and recurrence: no second target forward)
 
-Exactness: the mixer inputs at accepted positions depend only on earlier tokens (every other
-layer is causal), so replaying them from the snapshot gives the state a target that only ever
-saw the accepted tokens would hold -- through the model's own code, so the same kernels.
+Exact: the mixer inputs at accepted positions depend only on earlier tokens (every other layer is causal), so the
+replay gives the state of a target that only saw the accepted tokens, through the model's own code and kernels.
 """
 
 from __future__ import annotations
@@ -53,7 +46,7 @@ def linear_attention_mixers(target) -> dict[int, torch.nn.Module]:
 def check_rollback_supported(target) -> dict[int, torch.nn.Module]:
     """The target's linear-attention mixers; a clear error when it has state we cannot roll back."""
     layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    kinds = set(layer_types) - {"full_attention", "indexed_attention", "sliding_attention", "linear_attention"}
+    kinds = set(layer_types) - {"full_attention", "indexed_attention", "deepseek_sparse_attention", "sliding_attention", "linear_attention"}
     mixers = linear_attention_mixers(target)
     missing = {i for i, k in enumerate(layer_types) if k == "linear_attention"} - set(mixers)
     if not layer_types:

@@ -2,21 +2,16 @@
 
 One step, for each row of a call, after the prefill:
 
-    1. draft: one drafter forward from the anchor (the last committed token) gives, at every
-       block position t, the top-K candidates and the selector's scores S_t(a, b)
-    2. tree: best-first from the anchor; a child's log-probability is its parent's plus
-       log softmax_b S_t(parent token, b) over the top-K; the ``budget`` most probable nodes are
-       kept, and the n-gram continuation (hybrid drafting) joins as one more branch
-    3. verify: one target forward over the nodes; each node sees the cache and its own
-       ancestors (tree mask), its position is the anchor's plus its depth
-    4. accept (``accept_dflash2``): the target's choice after every node, drawn at once on the device and
-       moved to the host in one transfer; walking from the root, a child equal to the node's choice continues
-       the walk, otherwise the choice is the bonus token (exact for any candidate set: x ~ p at each visited node)
-    5. commit: the cache keeps the K/V of the accepted path only, in order; the accepted
-       nodes' hidden states are the drafter's next context features
+    1. draft: one drafter forward from the anchor gives, at every block position t, the top-K candidates and the
+       selector's scores S_t(a, b) (``selector_dflash2.lattice_table``)
+    2. tree: best-first from the anchor, a child's log-probability its parent's plus log softmax_b S_t(parent, b)
+       over the top-K; the ``budget`` most probable nodes, plus the n-gram continuation as one more branch
+    3. verify: one forward over the nodes; each sees the cache and its ancestors (tree mask) at the anchor's
+       position plus its depth
+    4. accept (``accept_dflash2``): the target's choice after every node in one transfer, then a walk from the root
+    5. commit (``holes_dflash2``): the accepted path's K/V in order; its hidden states are the drafter's next context
 
-A chain (one path) is a tree with one child per node, so the decoding loop (``loop_dflash2.py``) runs
-every mode through these helpers; the cache operations of step 5 live in ``holes_dflash2``.
+A chain (one path) is a tree with one child per node: the decoding loop runs every mode through these helpers.
 """
 
 from __future__ import annotations
@@ -59,15 +54,17 @@ class TokenTree:
             out.append(out[self.parents[i]] + [self.tokens[i]])
         return out
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
+    def ancestor_mask(self, size: int | None = None) -> torch.Tensor:
+        """[size, size] bool (size: the nodes by default): node i sees node j iff j is i or one of its ancestors;
+        a padding row past the nodes sees only itself. Built on the host, one tensor."""
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            if self.parents[i] >= 0:
-                mask[i] = mask[self.parents[i]]
-            mask[i, i] = True
-        return mask
+        size = n if size is None else size
+        rows = []
+        for i in range(size):
+            row = list(rows[self.parents[i]]) if i < n and self.parents[i] >= 0 else [False] * size
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows)
 
 
 def root_tree(anchor: int) -> TokenTree:
@@ -128,37 +125,6 @@ def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[l
     return tree
 
 
-def lattice_table(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids: torch.Tensor | None, anchor) -> torch.Tensor:
-    """A block's top-K lattice, scored at once on the device: [..., n, 1 + K, K], row 0 the candidates' token ids (as
-    floats), rows 1.. the log-probs ``[t][j][k]`` of candidate k at position t after candidate j of position t - 1.
-
-    hidden [..., n, H], logits [..., n, V'] at the drafted positions, ``anchor`` an int or a tensor of the leading
-    shape (a batch scores every row's lattice in the same kernels). With a selector, ``log_probs[t][j]`` is log
-    softmax S_t(candidate j of position t - 1, .) over the top-K (the anchor for t = 0); without one, the log softmax
-    of the draft logits over the top-K, whatever the parent.
-    """
-    selector = drafter.candidate_selector
-    k = selector.top_k if selector is not None else min(8, logits.shape[-1])
-    top_values, top_cols = logits.float().topk(k, dim=-1)  # [..., n, K]
-    candidates = top_cols if vocab_ids is None else vocab_ids[top_cols]  # [..., n, K] token ids
-    if selector is None:
-        table = torch.log_softmax(top_values, dim=-1).unsqueeze(-2).expand(*top_values.shape[:-1], k, k)  # [..., n, K, K]
-    else:
-        gated = selector.hidden_projection(hidden).float()  # [..., n, R]
-        first = torch.as_tensor(anchor, device=candidates.device)[..., None, None].expand(*candidates.shape[:-2], 1, k)  # [..., 1, K]
-        parents = torch.cat([first, candidates[..., :-1, :]], dim=-2)  # [..., n, K]: position t's possible parents
-        pred = selector.predecessor_codebook[parents].float() * gated.unsqueeze(-2)  # [..., n, K parent, R]
-        succ = selector.successor_codebook[candidates].float()  # [..., n, K child, R]
-        scores = top_values.unsqueeze(-2) + torch.einsum("...njr,...nkr->...njk", pred, succ)  # [..., n, K parent, K child]
-        table = torch.log_softmax(scores, dim=-1)
-    return torch.cat([candidates.to(table.dtype).unsqueeze(-2), table], dim=-2)  # [..., n, 1 + K, K]
-
-
-def lattice_lists(host: torch.Tensor) -> tuple[list[list[int]], list[list[list[float]]]]:
-    """(candidates [n][K], log_probs [n][K][K]) from a ``lattice_table`` already on the host."""
-    return host[:, 0].long().tolist(), host[:, 1:].tolist()
-
-
 def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None,
                         n_rows: int | None = None) -> torch.Tensor:
     """Additive 4D mask [1, 1, n_rows, key_length]: the committed context (its own padding mask) and ancestors.
@@ -166,18 +132,14 @@ def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_len
     ``key_length`` (default past + n_rows): a static cache attends over all its slots; those after the tree are masked.
     ``n_rows`` (default: the tree's nodes) pads the forward to a fixed size: a padding row sees only itself, and no
     real node sees a padding row."""
-    n = len(tree)
+    n, past = len(tree), past_mask.shape[0]
     rows = n if n_rows is None else n_rows
-    ancestors = torch.zeros(rows, rows, dtype=torch.bool)  # [rows, rows]
-    ancestors[:n, :n] = tree.ancestor_mask()
-    ancestors[n:, n:] = torch.eye(rows - n, dtype=torch.bool)  # padding rows: themselves only (no empty softmax rows)
-    context = past_mask.bool()[None].expand(rows, -1).clone()  # [rows, past]
-    context[n:] = False
-    allowed = torch.cat([context, ancestors.to(past_mask.device)], dim=1)  # [rows, past + rows]
-    if key_length is not None and key_length > allowed.shape[1]:
-        allowed = torch.nn.functional.pad(allowed, (0, key_length - allowed.shape[1]))  # [rows, key_length]: stale slots masked
+    keys = past + rows if key_length is None else key_length
+    allowed = torch.zeros(rows, keys, dtype=torch.bool, device=past_mask.device)  # [rows, keys]: stale slots masked
+    allowed[:n, :past] = past_mask.bool()  # the context, as the row's own mask has it (padding rows: none)
+    allowed[:, past : past + rows] = tree.ancestor_mask(rows).to(past_mask.device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=past_mask.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def static_cache_length(cache) -> int | None:

@@ -6,10 +6,11 @@
 Per prompt set and batch size b: the set's first ``limit`` prompts (chat template, left-padded) in consecutive
 batches of b; each batch runs ``target.generate(**batch)`` and ``target.generate(**batch, assistant_model=drafter)``
 back to back, in alternating order (greedy, every row checked equal to the target's), after one warm-up batch per
-size. ``--batch-rules longest plain`` adds the forced extremes the rule is checked against. Reported:
+size (a whole one when compiled: every shape compiles there). ``--batch-static-compiled`` runs both calls on one static
+cache, compiled (inductor; on a CPU too): like with like. ``--batch-rules longest plain`` adds the forced extremes the rule is checked against. Reported:
 throughput (new tokens, EOS included, per second over the batch; the median over batches and the pooled total),
 the ratio to the target's, tokens per target forward (new tokens of the batch / verification forwards, and per row),
-and what the rule chose. ``results.json``, ``results.md`` and ``batch.png`` in ``--out``.
+and what the rule chose, and the engine's own work per step (wall time outside the target's forwards and drafting). ``results.json``, ``results.md`` and ``batch.png`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def new_tokens(sequences: torch.Tensor, prompt_width: int, eos: set[int], pad: i
     return counts
 
 
-def run_batch(target, drafter, inputs, gen_kw, eos, pad, target_first: bool = True) -> dict:
+def run_batch(target, drafter, inputs, gen_kw, eos, pad, target_first: bool = True, counter=None) -> dict:
     """The target alone and the plain call on one batch, back to back (``target_first``: which one goes first;
-    the benchmark alternates, so a machine that slows down or speeds up over minutes favours neither)."""
+    the benchmark alternates, so a machine that slows down or speeds up over minutes favours neither).
+    ``counter`` (a ``benchmark.ForwardCounter`` on the target) times the plain call's target forwards: the engine's
+    own work per step is the wall time outside them and outside drafting."""
     gen = root.generation_of(drafter)
+    forwards = {}
 
     def alone():
         t0 = time.perf_counter()
@@ -63,9 +67,14 @@ def run_batch(target, drafter, inputs, gen_kw, eos, pad, target_first: bool = Tr
 
     def speculative():
         with gen.collect_stats() as runs:
+            if counter is not None:
+                counter.reset()
             t0 = time.perf_counter()
             out = target.generate(**inputs, assistant_model=drafter, **gen_kw)
-            return out, time.perf_counter() - t0, runs[-1]
+            seconds = time.perf_counter() - t0
+            if counter is not None:  # the plain call's forwards, before the other call adds its own
+                forwards.update(calls=counter.calls, prefill=counter.first_seconds, steps=counter.seconds)
+            return out, seconds, runs[-1]
 
     if target_first:
         (ref, target_seconds), (out, spec_seconds, stats) = alone(), speculative()
@@ -73,7 +82,10 @@ def run_batch(target, drafter, inputs, gen_kw, eos, pad, target_first: bool = Tr
         (out, spec_seconds, stats), (ref, target_seconds) = speculative(), alone()
     width = inputs["input_ids"].shape[1]
     tokens = new_tokens(ref, width, eos, pad)
-    return {"rows": len(tokens), "new_tokens": sum(tokens), "target_seconds": target_seconds, "spec_seconds": spec_seconds,
+    engine_ms = None
+    if forwards.get("calls", 0) > 1:  # after the prefill: wall - target forwards - drafting, per step
+        engine_ms = 1e3 * (spec_seconds - forwards["prefill"] - forwards["steps"] - stats.draft_seconds) / (forwards["calls"] - 1)
+    return {"engine_ms_per_step": engine_ms, "rows": len(tokens), "new_tokens": sum(tokens), "target_seconds": target_seconds, "spec_seconds": spec_seconds,
             "same_as_target": bool(torch.equal(ref, out)), "costs": stats.costs, "forwards": stats.forwards if stats.batch_size > 1 else len(stats.accept_lengths),
             "spec_new_tokens": stats.new_tokens, "row_acceptance": [sum(r) / max(len(r), 1) for r in stats.row_accept_lengths]
             if stats.batch_size > 1 else [stats.mean_acceptance_length], "proposers": dict(stats.per_proposer)}
@@ -98,15 +110,17 @@ def summarize(runs: list[dict]) -> dict:
         "row_acceptance_mean": statistics.mean(a for r in runs for a in r["row_acceptance"]),
         "all_same_as_target": all(r["same_as_target"] for r in runs),
         "row_steps_by_proposer": proposers,
+        "median_engine_ms_per_step": statistics.median(r["engine_ms_per_step"] for r in runs) if runs[0].get("engine_ms_per_step") is not None else None,
     }
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| set | batch | rule | target tok/s | plain call tok/s | speedup | tokens / forward | mean row acceptance | same as target | row steps (proposer) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | batch | rule | target tok/s | plain call tok/s | speedup | tokens / forward | mean row acceptance | same as target | engine ms / step | row steps (proposer) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['set']} | {r['batch_size']} | {r.get('rule', 'rule')} | {r['target_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['tokens_per_forward']:.2f} | {r['row_acceptance_mean']:.2f} | {r['all_same_as_target']} | "
+                     f"{r['median_engine_ms_per_step'] if r.get('median_engine_ms_per_step') is None else format(r['median_engine_ms_per_step'], '.1f')} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(r['row_steps_by_proposer'].items()))} |")
     return "\n".join(lines) + "\n"
 
@@ -142,7 +156,16 @@ def benchmark_batches(args, target, tokenizer, drafter) -> list[dict]:
     eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     gen_kw = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+    if getattr(args, "batch_static_compiled", False):  # like with like: both calls on a static cache, compiled
+        from .benchmark import static_compiled_kwargs
+
+        longest = max(len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True))
+                      for name in args.prompt_sets for r in load_prompt_set(name)[: args.limit])
+        gen_kw.update(static_compiled_kwargs(-(-(longest + args.max_new_tokens + 64) // 128) * 128))
     own = drafter.config.hybrid_ngram
+    from .benchmark import ForwardCounter
+
+    counter = ForwardCounter(target)
     rows = []
     for name in args.prompt_sets:
         records = load_prompt_set(name)[: args.limit]
@@ -153,8 +176,10 @@ def benchmark_batches(args, target, tokenizer, drafter) -> list[dict]:
             for rule in args.batch_rules:
                 drafter.config.hybrid_ngram = own if rule == "rule" else {**(own or {}), "costs": FORCED_COSTS[rule]}
                 try:
-                    run_batch(target, drafter, left_padded(tokenizer, batches[0]), {**gen_kw, "max_new_tokens": 8}, eos, pad)  # warm-up
-                    runs = [run_batch(target, drafter, left_padded(tokenizer, b), gen_kw, eos, pad, target_first=k % 2 == 0)
+                    warm = gen_kw if "compile_config" in gen_kw else {**gen_kw, "max_new_tokens": 8}  # compiled: every shape
+                    run_batch(target, drafter, left_padded(tokenizer, batches[0]), warm, eos, pad)  # warm-up
+                    runs = [run_batch(target, drafter, left_padded(tokenizer, b), gen_kw, eos, pad, target_first=k % 2 == 0,
+                                      counter=counter)
                             for k, b in enumerate(tqdm(batches, desc=f"{name} batch {size} ({rule})", unit="batch"))]
                 finally:
                     drafter.config.hybrid_ngram = own

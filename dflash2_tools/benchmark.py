@@ -409,6 +409,8 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", nargs="*", type=int, default=[],
                     help="batches instead of methods: the target's batched generate against the plain call, per batch size "
                          "(bench_batch.py; greedy, the first of --dtypes)")
+    ap.add_argument("--batch-static-compiled", action="store_true",
+                    help="with --batch-sizes: both the target's batched generate and the plain call on a static cache, compiled")
     ap.add_argument("--batch-rules", nargs="+", default=["rule"], choices=["rule", "longest", "plain"],
                     help="with --batch-sizes: the drafter's own rule, and forced extremes to check it against (every step "
                          "verifies the longest proposal / plain batched steps only)")

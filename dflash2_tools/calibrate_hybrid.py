@@ -85,7 +85,7 @@ def replay(steps: list[dict], rule, ngram, policy: str = "rule") -> dict:
         if policy == "ngram":
             choice, rates = (ngram.Proposal("ngram", len(s["ngram"])) if match else ngram.Proposal("none", 0)), []
         else:
-            drafts = policy == "dflash2" or rule.run_drafter(match, len(s["draft"]))
+            drafts = policy == "dflash2" or ngram.draft_pays([rule], [match], [len(s["draft"])], rule.costs)
             cost += rule.costs.draft if drafts else 0.0
             choice = rule.choose(None if policy == "dflash2" else match, s["confidence"] if drafts else None)
             rates = rule.ngram_rates(match) if choice.proposer == "ngram" else rule.drafter_rates(s["confidence"])

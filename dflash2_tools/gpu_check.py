@@ -52,6 +52,35 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# ---- 0. what travels ----------------------------------------------------------------------------------------
+
+# transformers' model folders the check builds (and the embedded target's llama); the rest stay home
+WHEEL_MODELS = ("auto", "llama", "qwen3", "qwen3_moe", "glm5_next", "qwen3_next")
+
+
+def write_wheel(out_dir) -> Path:
+    """The installed (tested) transformers as a wheel holding only ``WHEEL_MODELS`` of its ~550 model folders: ~2.5 MB
+    instead of the 13 MB release wheel, so the check's file set stays well under a GPU machine's 64 MiB."""
+    import zipfile
+
+    import transformers
+
+    package = Path(transformers.__file__).parent
+    dist = package.parent / f"transformers-{transformers.__version__}.dist-info"
+    path = Path(out_dir) / f"transformers-{transformers.__version__}-py3-none-any.whl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
+        for folder in (package, dist):
+            for f in sorted(folder.rglob("*")):
+                rel = f.relative_to(package.parent)
+                if f.is_dir() or "__pycache__" in rel.parts:
+                    continue
+                if rel.parts[:2] == ("transformers", "models") and len(rel.parts) > 3 and rel.parts[2] not in WHEEL_MODELS:
+                    continue
+                wheel.write(f, rel.as_posix())
+    return path
+
+
 # ---- 1. correctness ------------------------------------------------------------------------------------------
 
 
@@ -86,24 +115,27 @@ def correctness(device: torch.device) -> list[dict]:
 
 
 def _batched(device: torch.device) -> list[dict]:
-    """A left-padded batch of four prompts of different lengths, a path or a tree per row, dynamic and static caches:
-    every row equals the target's batched generate."""
-    target = tiny_target("qwen3").to(device)
-    drafter = tiny_drafter(target).to(device)
+    """A left-padded batch of four prompts of different lengths: on qwen3 a path or a tree per row, dynamic and static
+    caches (compiled on a GPU); on glm5_next (linear attention: rows commit in lockstep, states replayed) one path per
+    row. Every row equals the target's batched generate."""
     lengths = (1, 5, 9, 17)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in lengths]
     ids = torch.tensor([[0] * (max(lengths) - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (max(lengths) - len(p)) + [1] * len(p) for p in prompts], device=device)
     rows = []
-    for budget, cache in [(b, c) for c in (None, "static") for b in (None, 6)]:
-        drafter.config.tree_budget = budget
-        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation=cache)
-        want = target.generate(**kw)
-        got = target.generate(**kw, assistant_model=drafter)
-        rows.append({"check": f"greedy qwen3, a batch of 4 prompts of different lengths, tree_budget={budget} "
-                              f"cache={cache or 'dynamic'}", "passed": bool(torch.equal(got, want)),
-                     "detail": f"{int((got == want).all(-1).sum())}/4 rows equal"})
+    for arch in ("qwen3", "glm5_next"):
+        target = (tiny_glm5_next() if arch == "glm5_next" else tiny_target(arch)).to(device)
+        extra = dict(target_layer_ids=[0, 2, 4], target_hidden_reduction="mean", conv_group_size=8) if arch == "glm5_next" else {}
+        drafter = tiny_drafter(target, **extra).to(device)
+        for budget, cache in ([(None, None)] if arch == "glm5_next" else [(b, c) for c in (None, "static") for b in (None, 6)]):
+            drafter.config.tree_budget = budget
+            kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation=cache)
+            want = target.generate(**kw)
+            got = target.generate(**kw, assistant_model=drafter)
+            rows.append({"check": f"greedy {arch}, a batch of 4 prompts of different lengths, tree_budget={budget} "
+                                  f"cache={cache or 'dynamic'}", "passed": bool(torch.equal(got, want)),
+                         "detail": f"{int((got == want).all(-1).sum())}/4 rows equal"})
     return rows
 
 
@@ -292,13 +324,19 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=False)
+    ap.add_argument("--write-wheel", metavar="DIR", help="only write the trimmed transformers wheel into DIR (what travels)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and few tokens (the CPU smoke test)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--accepts", type=int, nargs="+", default=[2, 3, 4])
     args = ap.parse_args(argv)
+    if args.write_wheel:
+        print(write_wheel(args.write_wheel))
+        return
+    if not args.out:
+        ap.error("--out is required")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu --tiny for the smoke test")
@@ -318,7 +356,10 @@ def main(argv=None):
               f" (first call {row['first_static_call_s (compile)']:.1f} s); plain call vs eager / vs compiled, "
               f"static plain call vs compiled: {spec}")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {"device": device_name, "torch": torch.__version__, "checks": checks, "step_costs": costs,
+    import transformers
+
+    result = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
+              "transformers_path": transformers.__file__, "checks": checks, "step_costs": costs,
               "seconds": time.perf_counter() - t0, "new_tokens": new_tokens}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     plot(costs, out / "step_costs.png")

@@ -54,7 +54,7 @@ def _second_forward_seconds(target, prompt, n_tokens: int, reps: int = 5) -> flo
 
 
 def measure(kind: str, prompts, max_new_tokens: int) -> dict:
-    layer_types = None if kind == "hybrid" else ["indexed_attention"] * 5
+    layer_types = None if kind == "hybrid" else ["full_attention"] * 5
     target = tiny_glm5_next(layer_types=layer_types)
     drafter = _drafter(target)
     gen = root.generation()

@@ -92,7 +92,7 @@ def tiny_drafter(target=None, seed: int = 1, attn_implementation: str = "sdpa", 
     return model
 
 
-GLM5_HYBRID_LAYERS = ["linear_attention", "linear_attention", "indexed_attention", "linear_attention", "indexed_attention"]
+GLM5_HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]  # MLA/DSA: each release names it
 
 
 def tiny_glm5_next(seed: int = 0, vocab: int = 103, head_scale: float = 8.0, layer_types: list[str] | None = None, hidden: int = 40,

@@ -31,8 +31,7 @@ from .tree_cost import random_tree
 def tail_only_compaction(cache, past: int, keep: list[int], width: int) -> None:
     """What the loop does after a tree step: the kept nodes first in the step's slots, the rest cut off."""
     holes = root.holes()
-    order = torch.tensor([keep + [k for k in range(width) if k not in keep]])  # [1, W]
-    holes.kept_first(cache, past, order)
+    holes.kept_first(cache, past, [keep], kept=len(keep))
     holes.crop_tail(cache, width - len(keep))
 
 
@@ -52,7 +51,7 @@ def time_step(target, tree_module, context: int, nodes: int, compaction, repeats
     cache = DynamicCache()
     target(input_ids=torch.randint(2, 1000, (1, context), generator=g), past_key_values=cache, use_cache=True, logits_to_keep=1)
     tree = random_tree(tree_module, nodes, 1000, g)
-    keep = [0, 1, 2]
+    keep = [0, 2, 3]  # a path that is not the first slots: its K/V move
     forward_s, compact_s = [], []
     for _ in range(repeats + 1):
         mask = tree_module.tree_attention_mask(tree, torch.ones(context, dtype=torch.long), target.dtype)

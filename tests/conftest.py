@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DFLASH2_COST_CACHE", "")  # tests measure step costs in-process; nothing kept on disk between runs
 
 import pytest
 import torch
@@ -78,6 +79,44 @@ def accepting(llama_target):
     """(target, drafter, training prompts) where the drafter accepts many tokens."""
     drafter, prompts = overfit_drafter(llama_target)
     return llama_target, drafter, prompts
+
+
+@pytest.fixture
+def flash_stand_in():
+    """A stand-in registered under flash_attention_2 for the test: like the real kernel, causal (bottom-right) with
+    padded keys skipped (the 2D mask transformers hands a flash kernel: its varlen path), and it cannot take an
+    arbitrary mask -- it fails loudly when handed a 4D one. Returns the call log (query lengths)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+
+    def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise AssertionError("a 4D mask reached the flash kernel")
+        calls.append(query.shape[2])
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:  # a static cache: its filled slots
+            key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
+        q, k = query.shape[2], key.shape[2]
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        allowed = torch.ones(1, 1, q, k, dtype=torch.bool)
+        if causal and q > 1:
+            allowed = allowed.tril(k - q)  # query i sees keys <= k - q + i
+        if attention_mask is not None:  # [b, k] 1 = a real key
+            allowed = allowed & attention_mask.bool()[:, None, None, -k:]
+        empty = ~allowed.any(-1, keepdim=True)  # a padding query: the kernel skips it (zeros)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed | empty, scale=scaling)
+        return out.masked_fill(empty, 0.0).transpose(1, 2).contiguous(), None
+
+    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    saved = mapping.get("flash_attention_2")
+    mapping["flash_attention_2"] = stand_in
+    yield calls
+    if saved is None:
+        del mapping["flash_attention_2"]
+    else:
+        mapping["flash_attention_2"] = saved
 
 
 def pretend_transformers_version(monkeypatch, version: str) -> None:

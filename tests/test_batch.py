@@ -173,32 +173,37 @@ def test_kept_first_moves_each_rows_accepted_nodes_to_the_front_of_the_step():
     cache = DynamicCache()
     keys = torch.arange(2 * 7, dtype=torch.float32).view(2, 1, 7, 1).expand(2, 2, 7, 3).contiguous()  # 2 rows, 3 past + 4 step
     cache.update(keys, keys + 100, 0)
-    holes.kept_first(cache, 3, torch.tensor([[0, 2, 1, 3], [0, 3, 1, 2]]))
+    order = holes.kept_first(cache, 3, [[0, 2, 1], [0, 3]], kept=3)  # row 1 keeps 2 slots: its third is its own
+    assert order.tolist() == [[0, 2, 1], [0, 3, 2]]
     assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 4, 6]  # the past is untouched
-    assert cache.layers[0].values[1, 1, :, 0].tolist() == [107, 108, 109, 110, 113, 111, 112]
+    assert cache.layers[0].values[1, 1, :, 0].tolist() == [107, 108, 109, 110, 113, 112, 113]
+    assert holes.kept_first(cache, 3, [[0, 1, 2], [0, 1]], kept=3) is None  # chains: nothing moves
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 4, 6]
 
 
 def test_stopping_criteria_run_once_per_group_of_equal_length_rows():
-    """Rows of equal length share one stopping-criteria call (one transfer), and every row gets what a call of its
-    own (``as_row``) would give it, with criteria that read the row's own tokens."""
-    from transformers import StoppingCriteriaList
+    """transformers' length and EOS criteria are applied on the host (no call, no transfer); any other criterion runs
+    once per group of rows of equal length (one transfer); every row gets what a call of its own (``as_row``) gives."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     batch = root.loop()
     calls = []
 
-    class Counted(StoppingCriteriaList):
+    class EndsWithSix(StoppingCriteria):  # reads each row's own tokens
         def __call__(self, ids, scores, **kwargs):
             calls.append(ids.shape)
-            return super().__call__(ids, scores, **kwargs)
+            return ids[:, -1] == 6
 
-    criteria = Counted([MaxLengthCriteria(max_length=7), EosTokenCriteria(eos_token_id=5)])
-    sequences = {0: [1, 2, 3, 4], 2: [1, 2, 5], 3: [1, 2, 3, 4, 6, 6, 6], 4: [1, 2, 3, 4], 5: [1, 2, 3, 5]}
-    stopped = batch.stopping_rows(criteria, sequences, rows=6, device="cpu")
-    assert len(calls) == 3 and all(shape[0] == 6 for shape in calls)  # lengths 4, 3 and 7
-    calls.clear()
-    one_by_one = {r for r, ids in sequences.items() if root.accept().as_row(criteria, ids, r, 6, "cpu")}
-    assert stopped == one_by_one == {2, 3, 5}
+    builtin = StoppingCriteriaList([MaxLengthCriteria(max_length=7), EosTokenCriteria(eos_token_id=5)])
+    sequences = {0: [1, 2, 3, 4], 2: [1, 2, 5], 3: [1, 2, 3, 4, 6, 6, 1], 4: [1, 2, 3, 6], 5: [1, 2, 3, 5]}
+    for criteria, want, n_calls in ((builtin, {2, 3, 5}, 0), (StoppingCriteriaList([*builtin, EndsWithSix()]), {2, 3, 4, 5}, 3)):
+        stopped = batch.stopping_rows(criteria, sequences, rows=6, device="cpu")
+        assert len(calls) == n_calls and all(shape[0] == 6 for shape in calls)  # lengths 4, 3 and 7
+        calls.clear()
+        one_by_one = {r for r, ids in sequences.items() if root.accept().as_row(criteria, ids, r, 6, "cpu")}
+        calls.clear()
+        assert stopped == one_by_one == want
 
 
 def test_compact_moves_each_rows_real_entries_together_in_order():

@@ -18,6 +18,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
 
 from dflash2_tools.tiny_targets import tiny_glm5_next
+from dflash2_tools.training.forward import multi_block_training_mask
 
 QWEN3_KEYS = ("attention_bias", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "head_dim", "hidden_act",
               "hidden_size", "initializer_range", "intermediate_size", "layer_types", "max_position_embeddings",
@@ -136,7 +137,7 @@ def test_causal_key_gives_a_causal_block():
         a = d(noise_embeds=noise, context_hidden_states=feats).last_hidden_state
         b = d(noise_embeds=later, context_hidden_states=feats).last_hidden_state
         assert torch.allclose(a[:, :3], b[:, :3]) == causal
-    mask = root.modeling().multi_block_training_mask(torch.tensor([[2, 6]]), 3, 8, causal=True)[0, 0]  # [6, 8 + 6]
+    mask = multi_block_training_mask(torch.tensor([[2, 6]]), 3, 8, causal=True)[0, 0]  # [6, 8 + 6]
     assert mask[0, 8:].tolist() == [True, False, False, False, False, False]
     assert mask[2, 8:].tolist() == [True, True, True, False, False, False]
 
@@ -269,35 +270,6 @@ def test_placement_errors_name_the_fix():
 # ---- 4. attention backends -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def flash_stand_in():
-    """A stand-in registered under flash_attention_2: causal (bottom-right) attention that, like the real kernel,
-    cannot take an arbitrary mask -- it fails loudly when handed a 4D one. Returns the call log."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    calls = []
-
-    def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
-        if attention_mask is not None and attention_mask.dim() == 4:
-            raise AssertionError("a 4D mask reached the flash kernel")
-        calls.append(query.shape[2])
-        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        q, k = query.shape[2], key.shape[2]
-        rep = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-        mask = None
-        if causal and q > 1:
-            mask = torch.ones(q, k, dtype=torch.bool).tril(k - q)  # query i sees keys <= k - q + i
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
-    saved = mapping.get("flash_attention_2")
-    mapping["flash_attention_2"] = stand_in
-    yield calls
-    mapping["flash_attention_2"] = saved
-
-
 def test_tree_verification_on_a_flash_target_never_sends_the_tree_mask_to_flash(flash_stand_in, monkeypatch):
     target = tiny_target("qwen3")
     reference = [target.generate(torch.tensor([[5, 6, 7, 8][:n]]), max_new_tokens=18, do_sample=False) for n in (1, 4)]
@@ -394,12 +366,13 @@ def root_costs():
     return root._sibling("costs_dflash2")
 
 
-def test_costs_are_measured_once_per_process_and_reported(monkeypatch):
+def test_costs_are_measured_once_per_machine_and_reported(monkeypatch, tmp_path):
     costs_module = root_costs()
     target = tiny_target("llama")
     drafter = tiny_drafter(target, hybrid_ngram={"costs": "measured"})
     calls = []
     real = costs_module.measure_step_costs
+    monkeypatch.setenv("DFLASH2_COST_CACHE", str(tmp_path / "step_costs.json"))
     monkeypatch.setattr(costs_module, "_MEASURED", {})
     monkeypatch.setattr(costs_module, "measure_step_costs", lambda *a: calls.append(1) or real(*a))
     gen = root.generation()
@@ -407,6 +380,14 @@ def test_costs_are_measured_once_per_process_and_reported(monkeypatch):
     assert len(calls) == 1
     assert stats[0].costs["source"] == "measured" and stats[0].costs == stats[1].costs
     assert stats[0].costs["one_token_ms"] > 0 and min(stats[0].costs[k] for k in ("multi_token_step", "per_token", "draft")) >= 0
+    monkeypatch.setattr(costs_module, "_MEASURED", {})  # a new process on the same machine: read from disk
+    _, again = gen.dflash2_generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
+    assert len(calls) == 1 and again.costs == stats[0].costs
+    monkeypatch.setenv("DFLASH2_COST_CACHE", "")  # off: measured again
+    monkeypatch.setattr(costs_module, "_MEASURED", {})
+    gen.dflash2_generate(target, drafter, torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
+    assert len(calls) == 2
+    calls.pop()
     configured = tiny_drafter(target, hybrid_ngram={"costs": FREE_COSTS})
     _, st = gen.dflash2_generate(target, configured, torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
     assert st.costs == {**FREE_COSTS, "source": "config"} and len(calls) == 1

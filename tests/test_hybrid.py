@@ -102,7 +102,8 @@ def test_rule_cuts_drafts_to_what_pays_for_its_verification():
     assert cpu.choose(match, [0.9, 0.8 / 0.9, 0.05 / 0.8]) == ngram.Proposal("ngram", 4)
     # before drafting: a mean draft (0.4, 0.2 -> (1.6) / (1.5 + 0.2 + 0.25) < 1) is not worth its forward;
     # on a GPU (no costs) it is, unless the n-gram promises more
-    assert not cpu.run_drafter(None, 2) and rule(ngram).run_drafter(None, 2) and not rule(ngram).run_drafter(match, 2)
+    pays = lambda r, m: ngram.draft_pays([r], [m], [2], r.costs)  # noqa: E731
+    assert not pays(cpu, None) and pays(rule(ngram), None) and not pays(rule(ngram), match)
 
 
 def test_rule_learns_from_this_calls_outcomes():

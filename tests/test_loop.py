@@ -133,3 +133,38 @@ def test_holes_do_not_move_a_sliding_drafter_window():
     plain.pending = [(features, torch.ones(1, 9, dtype=torch.long))]
     with torch.no_grad():
         torch.testing.assert_close(holed.draft_hidden(torch.tensor([5])), plain.draft_hidden(torch.tensor([5])), atol=2e-5, rtol=1e-4)
+
+
+def test_a_compiled_batch_of_four_equals_the_targets_batched_generate(accepting, gen_module):
+    """Static cache + inductor at batch 4: mixed prompt lengths and an EOS that ends rows at different steps (finished
+    rows stay in the batch as dead rows: no shape changes), greedy-equal to the target's own batched eager generate;
+    a bounded number of graphs, and a second call whose rows finish in another order compiles nothing."""
+    target, drafter, prompts = accepting
+    lengths, width = [3, 9, 5, 7], 9
+
+    def batch(order):
+        rows = [prompts[i % len(prompts)][:n] for i, n in zip(order, lengths)]
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])  # [4, 9] left-padded
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in rows])[:, None]).long()  # [4, 9]
+        return ids, mask
+
+    kw = dict(do_sample=False, max_new_tokens=40, pad_token_id=0)
+    ids, mask = batch([0, 1, 2, 3])
+    free = target.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, **kw)
+    eos = int(free[:, width + 6 :].flatten().mode().values)  # a token some rows emit mid-way
+    torch._dynamo.reset()
+    before = graphs_compiled()
+    ends = []
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0]):  # the second call: other rows, other finishing order, same shapes
+        ids, mask = batch(order)
+        expected = target.generate(input_ids=ids, attention_mask=mask, eos_token_id=eos, **kw)
+        out, stats = gen_module.dflash2_generate(target, drafter, ids, attention_mask=mask, eos_token_id=eos,
+                                                 cache_implementation="static", compile_config=compile_on_any_device(), **kw)
+        assert torch.equal(out, expected), order
+        assert stats.accepted > 0, stats.as_dict()  # multi-token steps went through the graphs
+        ends.append([int(((row[width:] == eos).nonzero()[:1].flatten().tolist() or [-1])[0]) for row in expected])
+        if len(ends) == 1:
+            first_call = graphs_compiled() - before
+    assert len(set(ends[0])) > 1 and ends[0] != ends[1]  # rows finished at different steps, and in another order
+    assert 1 <= first_call <= 8, first_call  # a graph per row bucket and the drafter's step, not per step
+    assert graphs_compiled() - before == first_call  # the second call compiled nothing

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HIDDEN, VOCAB, root, tiny_drafter, tiny_drafter_config, tiny_target
+from dflash2_tools.training.forward import multi_block_training_mask
 
 # Config and tensor schema of a public DFlash 2 checkpoint (copied from the project's shared reference).
 SHARED = Path(__file__).resolve().parent / "fixtures"
@@ -127,7 +128,7 @@ def test_conv_matches_equation(modeling_module):
 def _two_block_forward(d, noise, feats):
     """Blocks anchored at positions 3 and 6 of a 9-token context, in one multi-block forward."""
     anchors = torch.tensor([[3, 6]])
-    mask = root.modeling().multi_block_training_mask(anchors, 5, 9)
+    mask = multi_block_training_mask(anchors, 5, 9)
     pos = torch.cat([torch.arange(9)[None], (anchors[:, :, None] + torch.arange(5)).view(1, -1)], 1)
     return d(noise_embeds=noise, context_hidden_states=feats, position_ids=pos, attention_mask=mask).last_hidden_state
 

@@ -16,6 +16,7 @@ from dflash2_tools.regenerate import load_chunks, save_chunk
 from dflash2_tools.training import batches, features, forward, loop, model
 from dflash2_tools.training import data as training_data
 from dflash2_tools.training import loss as losses
+from dflash2_tools.training.forward import multi_block_training_mask
 
 STEP_ARGS = dict(blocks_per_seq=8, gamma=None, selector_weight=1.0, position_weighting="decay", chain_floor=0.1, distill_weight=0.0)
 
@@ -52,12 +53,12 @@ def test_block_inputs_and_labels():
 
 
 def test_training_mask_semantics(modeling_module):
-    m = modeling_module.multi_block_training_mask(torch.tensor([[2, 5]]), 3, 7)[0, 0]  # [6, 7 + 6]
+    m = multi_block_training_mask(torch.tensor([[2, 5]]), 3, 7)[0, 0]  # [6, 7 + 6]
     for q in range(6):
         block, anchor = divmod(q, 3)[0], (2, 5)[q // 3]
         assert m[q, :7].tolist() == [p < anchor for p in range(7)]
         assert m[q, 7:].tolist() == [k // 3 == block for k in range(6)]
-    windowed = modeling_module.multi_block_training_mask(torch.tensor([[5]]), 3, 7, sliding_window=2)[0, 0]
+    windowed = multi_block_training_mask(torch.tensor([[5]]), 3, 7, sliding_window=2)[0, 0]
     assert windowed[0, :7].tolist() == [False, False, False, False, True, False, False]
 
 

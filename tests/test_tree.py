@@ -42,7 +42,7 @@ def test_lattice_scores_every_parent_at_once(tree_module):
     drafter = tiny_drafter()
     torch.manual_seed(0)
     hidden, logits = torch.randn(4, 48), torch.randn(4, VOCAB)
-    candidates, log_probs = tree_module.lattice_lists(tree_module.lattice_table(drafter, hidden, logits, None, 5).cpu())
+    candidates, log_probs = root.selector().lattice_lists(root.selector().lattice_table(drafter, hidden, logits, None, 5).cpu())
     selector = drafter.candidate_selector
     top_values, top_ids = logits.topk(selector.top_k, dim=-1)
     gated = selector.hidden_projection(hidden)
@@ -63,11 +63,11 @@ def test_a_batchs_lattices_are_each_rows_own(tree_module, selector):
     torch.manual_seed(1)
     hidden, logits = torch.randn(3, 4, 48), torch.randn(3, 4, VOCAB)  # [b, n, H], [b, n, V]
     anchors = [5, 11, 2]
-    batched = tree_module.lattice_table(drafter, hidden, logits, None, torch.tensor(anchors))  # [b, n, 1 + K, K]
+    batched = root.selector().lattice_table(drafter, hidden, logits, None, torch.tensor(anchors))  # [b, n, 1 + K, K]
     for i, anchor in enumerate(anchors):
-        torch.testing.assert_close(batched[i], tree_module.lattice_table(drafter, hidden[i], logits[i], None, anchor))
+        torch.testing.assert_close(batched[i], root.selector().lattice_table(drafter, hidden[i], logits[i], None, anchor))
     if selector:  # the anchor matters at position 0: another row's anchor would give another table
-        assert not torch.equal(batched[0, 0], tree_module.lattice_table(drafter, hidden[0], logits[0], None, anchors[1])[0])
+        assert not torch.equal(batched[0, 0], root.selector().lattice_table(drafter, hidden[0], logits[0], None, anchors[1])[0])
 
 
 def test_ancestor_mask_and_tree_attention_mask(tree_module):
@@ -90,7 +90,7 @@ def test_cache_keeps_the_accepted_path_in_order(tree_module):
     keys = torch.arange(7, dtype=torch.float32).view(1, 1, 7, 1).expand(1, 2, 7, 3).contiguous()  # past 3 + 4 nodes
     cache.update(keys, keys + 100, 0)
     holes = root.holes()
-    holes.kept_first(cache, 3, torch.tensor([[0, 2, 3, 1]]))
+    holes.kept_first(cache, 3, [[0, 2, 3]], kept=3)
     holes.crop_tail(cache, 1)
     assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 6]
     assert cache.layers[0].values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 105, 106]

@@ -28,6 +28,33 @@ from .loss import (
 )
 
 
+
+def multi_block_training_mask(
+    anchor_positions: torch.Tensor, block_size: int, context_length: int, sliding_window: int | None = None, causal: bool = False
+) -> torch.Tensor:
+    """Training mask for many blocks of one sequence in a single forward.
+
+    Keys are ``[context (context_length tokens at positions 0..); block_0; block_1; ...]``.
+    Block b (anchor at position ``a_b``) sees context tokens at positions < a_b and its own
+    block only, exactly what it would see at inference.
+
+    anchor_positions [b, n_blocks] -> boolean mask [b, 1, n_blocks*block_size, context_length + n_blocks*block_size]
+    """
+    b, n_blocks = anchor_positions.shape
+    device = anchor_positions.device
+    k = torch.arange(block_size, device=device)
+    query_pos = (anchor_positions[:, :, None] + k).reshape(b, -1)  # [b, n*B]
+    query_block = torch.arange(n_blocks, device=device).repeat_interleave(block_size)  # [n*B]
+    ctx_pos = torch.arange(context_length, device=device)  # [c]
+    sees_ctx = ctx_pos[None, None, :] < anchor_positions.repeat_interleave(block_size, dim=1)[:, :, None]  # [b, n*B, c]
+    if sliding_window is not None:
+        sees_ctx = sees_ctx & (query_pos[:, :, None] - ctx_pos[None, None, :] < sliding_window)
+    same_block = query_block[:, None] == query_block[None, :]  # [n*B, n*B]
+    if causal:  # block position k sees block positions <= k
+        same_block = same_block & (k.repeat(n_blocks)[:, None] >= k.repeat(n_blocks)[None, :])
+    same_block = same_block.expand(b, -1, -1)  # [b, n*B, n*B]
+    return torch.cat([sees_ctx, same_block], dim=-1)[:, None]  # [b, 1, n*B, c + n*B]
+
 @dataclass
 class LossHead:
     """The head logits are computed through, and how its columns map to token ids."""
@@ -53,7 +80,6 @@ def blocks_forward(drafter, target, head: LossHead, tokens, lengths, anchors, va
 
     Returns (hidden [b, n, B-1, H], logits [b, n, B-1, V'], labels (token ids) [b, n, B-1], anchor ids [b, n]).
     """
-    M = root.modeling()
     cfg = drafter.config
     B = cfg.block_size
     b, n_blocks = anchors.shape
@@ -65,7 +91,7 @@ def blocks_forward(drafter, target, head: LossHead, tokens, lengths, anchors, va
     positions = torch.cat(
         [torch.arange(T, device=dev)[None].expand(b, -1), (anchors[:, :, None] + torch.arange(B, device=dev)).view(b, -1)], dim=1
     )  # [b, T + n*B]
-    mask = M.multi_block_training_mask(anchors, B, T, cfg.sliding_window, cfg.is_causal)  # [b, 1, n*B, T + n*B]
+    mask = multi_block_training_mask(anchors, B, T, cfg.sliding_window, cfg.is_causal)  # [b, 1, n*B, T + n*B]
     out = drafter(noise_embeds=noise, context_hidden_states=features.to(noise.dtype), position_ids=positions, attention_mask=mask)
     hidden = out.last_hidden_state.view(b, n_blocks, B, -1)[:, :, 1:]  # [b, n, B-1, H]
     logits = drafter.draft_logits(head.module, hidden)  # [b, n, B-1, V']
