@@ -99,7 +99,19 @@ def build_tree(anchor: int, candidates: list[list[int]], log_probs: list[list[li
         child = tree.add(candidates[tree.depths[parent]][k], parent)
         column[child] = k
         push_children(child, -neg)
-    return tree
+    return depth_first(tree)
+
+
+def depth_first(tree: TokenTree) -> TokenTree:
+    """The same tree laid out depth-first, each node's children best first: the most probable path takes the first
+    slots, so a step accepted along it already has its nodes leading the step's slots (``kept_first`` moves none)."""
+    out = root_tree(tree.tokens[0])
+    stack = [(child, 0) for child in reversed(tree.children[0])]
+    while stack:
+        node, parent = stack.pop()
+        placed = out.add(tree.tokens[node], parent)
+        stack.extend((child, placed) for child in reversed(tree.children[node]))
+    return out
 
 
 def add_branch(tree: TokenTree, tokens: list[int]) -> TokenTree:

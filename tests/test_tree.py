@@ -24,8 +24,10 @@ def test_best_first_tree_keeps_the_most_probable_nodes(tree_module):
     tree = tree_module.build_tree(7, candidates, log_probs, budget=4, max_depth=3)
     # path probabilities: 10 .6, 10-20 .54, 11 .3, 10-20-30 .27 (beats 11-20 .27? tie broken by order), ...
     assert tree.tokens[0] == 7 and len(tree) == 5
-    assert tree.tokens[1:] == [10, 20, 11, 30] or tree.tokens[1:] == [10, 20, 11, 20]
+    # laid out depth-first, best child first: the most probable path 7-10-20-30 takes the first slots
+    assert tree.tokens[1:] == [10, 20, 30, 11] or tree.tokens[1:] == [10, 20, 11, 20]
     assert tree.parents[:3] == [-1, 0, 1] and tree.depths[:3] == [0, 1, 2]
+    assert all(tree.parents[i] < i for i in range(1, len(tree)))  # parents precede their children
     for node in range(len(tree)):
         kids = [tree.tokens[c] for c in tree.children[node]]
         assert len(kids) == len(set(kids))  # distinct children: no duplicate paths
