@@ -96,24 +96,13 @@ class DFlash2Stats:
         return self.seconds / max(self.new_tokens, 1)
 
     def as_dict(self) -> dict:
+        fields = ("mean_acceptance_length", "drafted", "accepted", "new_tokens", "seconds", "draft_seconds", "rollback_seconds",
+                  "seconds_per_token", "per_position_acceptance", "accept_lengths", "proposers", "costs", "mode",
+                  "batch_size", "forwards")
         return {
-            "mean_acceptance_length": self.mean_acceptance_length,
+            **{name: getattr(self, name) for name in fields},
             "steps": len(self.accept_lengths),
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "new_tokens": self.new_tokens,
-            "seconds": self.seconds,
-            "draft_seconds": self.draft_seconds,
-            "rollback_seconds": self.rollback_seconds,
-            "seconds_per_token": self.seconds_per_token,
-            "per_position_acceptance": self.per_position_acceptance,
             "acceptance_length_histogram": self.histogram(),
-            "accept_lengths": self.accept_lengths,
-            "proposers": self.proposers,
-            "costs": self.costs,
-            "mode": self.mode,
-            "batch_size": self.batch_size,
-            "forwards": self.forwards,
             "row_mean_acceptance_length": [sum(r) / max(len(r), 1) for r in self.row_accept_lengths],
             "per_proposer": {
                 name: {**c, "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1)}
@@ -123,8 +112,6 @@ class DFlash2Stats:
 
 
 STATS_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash2_stats_sink", default=None)
-
-
 TRACE_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash2_trace_sink", default=None)
 
 
