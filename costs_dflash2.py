@@ -119,7 +119,10 @@ def _disk_costs(key: tuple, device, costs: dict | None = None) -> dict | None:
         return None
     name = repr((*key, _machine(device), torch.__version__))
     try:
-        stored = json.loads(open(path).read()) if os.path.exists(path) else {}
+        stored = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                stored = json.load(f)
         if costs is None:
             return stored.get(name)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

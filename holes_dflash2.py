@@ -54,10 +54,11 @@ def kept_first(cache, start: int, paths: list[list[int]], kept: int) -> torch.Te
     if all(row == list(range(kept)) for row in order):
         return None
     index = torch.tensor(order)  # [b, K]
+    absolute = index + start  # [b, K] the slots to read
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        slots = (index + start).to(layer.keys.device)  # [b, K] absolute slots
+        slots = absolute.to(layer.keys.device)  # a no-op unless the target is sharded
         for name in ("keys", "values"):
             tensor = getattr(layer, name)  # [b, h, T, d]
             if len(order) == 1:  # one row: a plain index_select (no expanded index)

@@ -95,35 +95,38 @@ def chain_tree(anchor: int, tokens: list[int]):
     return add_branch(root_tree(anchor), tokens)
 
 
-def stopping_rows(stopping_criteria, sequences: dict[int, list[int]], rows: int, device) -> set[int]:
-    """The caller rows (keys of ``sequences``: row -> its sequence) whose stopping criteria fire. transformers' own
-    length and EOS criteria are applied on the host (their rule, no tensor); any other criterion is called once per
-    group of rows of equal length, with one transfer: a full-size batch in which each row of the group holds its own
-    sequence (the others repeat one of them), as transformers' loop would show it at that length."""
+def stopping_rule(stopping_criteria, rows: int, device):
+    """A function {caller row: its sequence} -> the rows whose stopping criteria fire. transformers' own length and EOS
+    criteria are read once, here, and applied on the host by their rule (no tensor and no transfer per step); any
+    other criterion is called once per group of rows of equal length, with one transfer: a full-size batch in which
+    each row of the group holds its own sequence (the others repeat one of them), as transformers' loop shows it."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-    stopped, others = set(), []
+    max_length, eos, others = None, set(), StoppingCriteriaList()
     for criterion in stopping_criteria:
         if type(criterion) is MaxLengthCriteria:  # input_ids.shape[-1] >= max_length
-            stopped.update(r for r, ids in sequences.items() if len(ids) >= criterion.max_length)
+            max_length = min(criterion.max_length, max_length or criterion.max_length)
         elif type(criterion) is EosTokenCriteria:  # the last token is an EOS
-            eos = set(criterion.eos_token_id.view(-1).tolist())
-            stopped.update(r for r, ids in sequences.items() if ids[-1] in eos)
+            eos |= set(criterion.eos_token_id.view(-1).tolist())
         else:
             others.append(criterion)
-    if not others:
+
+    def stopped_rows(sequences: dict[int, list[int]]) -> set[int]:
+        stopped = {r for r, ids in sequences.items() if (max_length is not None and len(ids) >= max_length) or ids[-1] in eos}
+        if not others:
+            return stopped
+        by_length: dict[int, list[int]] = {}
+        for r, ids in sequences.items():
+            by_length.setdefault(len(ids), []).append(r)
+        for group in by_length.values():
+            batch = [sequences[group[0]]] * rows
+            for r in group:
+                batch[r] = sequences[r]
+            fired = others(torch.tensor(batch, device=device), None).tolist()  # [rows]
+            stopped.update(r for r in group if fired[r])
         return stopped
-    others = StoppingCriteriaList(others)
-    by_length: dict[int, list[int]] = {}
-    for r, ids in sequences.items():
-        by_length.setdefault(len(ids), []).append(r)
-    for group in by_length.values():
-        batch = [sequences[group[0]]] * rows
-        for r in group:
-            batch[r] = sequences[r]
-        fired = others(torch.tensor(batch, device=device), None).tolist()  # [rows]
-        stopped.update(r for r in group if fired[r])
-    return stopped
+
+    return stopped_rows
 
 
 @torch.no_grad()
@@ -164,6 +167,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
     own_masks = not holes and not budget and slots is None  # chains on the target's own kernel and 2D masks
     if own_masks:
         cache.activate_past_recording()  # sliding-window and linear-attention layers keep what a crop may need
+    stopped_rows = stopping_rule(stopping_criteria, rows, device)
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set() if eos is None else set(eos.view(-1).tolist())
@@ -202,7 +206,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
             if live[i]:
                 generated[r] += new[i]
         unfinished = {r: host_ids[r] + generated[r] for i, r in enumerate(active) if live[i] and not (eos and generated[r][-1] in eos)}
-        stopped = stopping_rows(stopping_criteria, unfinished, rows, device)
+        stopped = stopped_rows(unfinished)
         live = [live[i] and r in unfinished and r not in stopped for i, r in enumerate(active)]
         streamed = _stream(streamer, generated, [r for i, r in enumerate(active) if live[i]], streamed, pad)
         if not any(live):

@@ -46,7 +46,7 @@ def linear_attention_mixers(target) -> dict[int, torch.nn.Module]:
 def check_rollback_supported(target) -> dict[int, torch.nn.Module]:
     """The target's linear-attention mixers; a clear error when it has state we cannot roll back."""
     layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    kinds = set(layer_types) - {"full_attention", "indexed_attention", "deepseek_sparse_attention", "sliding_attention", "linear_attention"}
+    kinds = set(layer_types) - {"full_attention", "indexed_attention", "sliding_attention", "linear_attention"}
     mixers = linear_attention_mixers(target)
     missing = {i for i, k in enumerate(layer_types) if k == "linear_attention"} - set(mixers)
     if not layer_types:

@@ -148,9 +148,8 @@ def lattice_table(drafter, hidden: torch.Tensor, logits: torch.Tensor, vocab_ids
         gated = selector.hidden_projection(hidden).float()  # [..., n, R]
         first = torch.as_tensor(anchor, device=candidates.device)[..., None, None].expand(*candidates.shape[:-2], 1, k)  # [..., 1, K]
         parents = torch.cat([first, candidates[..., :-1, :]], dim=-2)  # [..., n, K]: position t's possible parents
-        pred = selector.predecessor_codebook[parents].float() * gated.unsqueeze(-2)  # [..., n, K parent, R]
-        succ = selector.successor_codebook[candidates].float()  # [..., n, K child, R]
-        scores = top_values.unsqueeze(-2) + torch.einsum("...njr,...nkr->...njk", pred, succ)  # [..., n, K parent, K child]
+        # the walk's own scores, for every parent at once (the parent axis broadcast): [..., n, K parent, K child]
+        scores = selector.scores(gated.unsqueeze(-2), top_values.unsqueeze(-2), candidates.unsqueeze(-2), parents)
         table = torch.log_softmax(scores, dim=-1)
     return torch.cat([candidates.to(table.dtype).unsqueeze(-2), table], dim=-2)  # [..., n, 1 + K, K]
 

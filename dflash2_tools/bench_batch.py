@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from . import drafter as root
+from .benchmark import ForwardCounter, engine_ms_per_step, run_cache_length, static_compiled_kwargs
 from .prompts import load_prompt_set
 
 
@@ -84,7 +85,7 @@ def run_batch(target, drafter, inputs, gen_kw, eos, pad, target_first: bool = Tr
     tokens = new_tokens(ref, width, eos, pad)
     engine_ms = None
     if forwards.get("calls", 0) > 1:  # after the prefill: wall - target forwards - drafting, per step
-        engine_ms = 1e3 * (spec_seconds - forwards["prefill"] - forwards["steps"] - stats.draft_seconds) / (forwards["calls"] - 1)
+        engine_ms = engine_ms_per_step(spec_seconds, forwards["prefill"], forwards["steps"], stats.draft_seconds, forwards["calls"] - 1)
     return {"engine_ms_per_step": engine_ms, "rows": len(tokens), "new_tokens": sum(tokens), "target_seconds": target_seconds, "spec_seconds": spec_seconds,
             "same_as_target": bool(torch.equal(ref, out)), "costs": stats.costs, "forwards": stats.forwards if stats.batch_size > 1 else len(stats.accept_lengths),
             "spec_new_tokens": stats.new_tokens, "row_acceptance": [sum(r) / max(len(r), 1) for r in stats.row_accept_lengths]
@@ -157,14 +158,9 @@ def benchmark_batches(args, target, tokenizer, drafter) -> list[dict]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     gen_kw = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
     if getattr(args, "batch_static_compiled", False):  # like with like: both calls on a static cache, compiled
-        from .benchmark import static_compiled_kwargs
-
-        longest = max(len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True))
-                      for name in args.prompt_sets for r in load_prompt_set(name)[: args.limit])
-        gen_kw.update(static_compiled_kwargs(-(-(longest + args.max_new_tokens + 64) // 128) * 128))
+        records = [r for name in args.prompt_sets for r in load_prompt_set(name)[: args.limit]]
+        gen_kw.update(static_compiled_kwargs(run_cache_length(tokenizer, records, args.max_new_tokens)))
     own = drafter.config.hybrid_ngram
-    from .benchmark import ForwardCounter
-
     counter = ForwardCounter(target)
     rows = []
     for name in args.prompt_sets:

@@ -74,6 +74,18 @@ def compile_on_any_device(cuda: bool = False):
     return config
 
 
+def run_cache_length(tokenizer, records, max_new_tokens: int) -> int:
+    """One static cache length for every prompt of a run (chat-templated), rounded up to 128: one set of shapes."""
+    longest = max(len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for r in records)
+    return -(-(longest + max_new_tokens + 64) // 128) * 128
+
+
+def engine_ms_per_step(seconds: float, prefill_seconds: float, forward_seconds: float, draft_seconds: float, forwards: int) -> float:
+    """The engine's own work per decoding step: a call's wall time outside the prefill, the target's verification
+    forwards and drafting, per verification forward."""
+    return 1e3 * (seconds - prefill_seconds - forward_seconds - draft_seconds) / max(forwards, 1)
+
+
 def static_compiled_kwargs(cache_length: int) -> dict:
     """generate() kwargs for a static cache of one fixed length (one set of shapes for the whole run), compiled on
     any device."""
@@ -207,7 +219,7 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
         "step_ms": 1e3 * (seconds - counter.first_seconds) / forwards,
         "step_target_forward_ms": 1e3 * counter.seconds / forwards,
         "step_draft_ms": 1e3 * draft / forwards,
-        "step_overhead_ms": 1e3 * (seconds - counter.first_seconds - counter.seconds - draft) / forwards,
+        "step_overhead_ms": engine_ms_per_step(seconds, counter.first_seconds, counter.seconds, draft, forwards),
         "seconds": seconds,
         "new_tokens": new,
         "tok_per_s": new / seconds,
@@ -231,8 +243,7 @@ def benchmark(args):
         llama = llamacpp_setup(args.drafter, drafter.config.block_size) if set(methods) & set(LLAMACPP_METHODS) else None
         sets = {name: load_prompt_set(name)[: args.limit] for name in args.prompt_sets}
         warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        longest = max(len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for v in sets.values() for r in v)
-        cache_length = -(-(longest + args.max_new_tokens + 64) // 128) * 128  # one static shape for every prompt of the run
+        cache_length = run_cache_length(tokenizer, [r for v in sets.values() for r in v], args.max_new_tokens)
         # compiled methods warm up on every set's first prompt at full length too: a 16-token call does not reach every
         # verification size the loop compiles (row buckets 1, 2, 4, ...) nor every guard, and compiling inside a timed
         # prompt is what a deployment's warm-up avoids

@@ -198,7 +198,7 @@ def test_stopping_criteria_run_once_per_group_of_equal_length_rows():
     builtin = StoppingCriteriaList([MaxLengthCriteria(max_length=7), EosTokenCriteria(eos_token_id=5)])
     sequences = {0: [1, 2, 3, 4], 2: [1, 2, 5], 3: [1, 2, 3, 4, 6, 6, 1], 4: [1, 2, 3, 6], 5: [1, 2, 3, 5]}
     for criteria, want, n_calls in ((builtin, {2, 3, 5}, 0), (StoppingCriteriaList([*builtin, EndsWithSix()]), {2, 3, 4, 5}, 3)):
-        stopped = batch.stopping_rows(criteria, sequences, rows=6, device="cpu")
+        stopped = batch.stopping_rule(criteria, rows=6, device="cpu")(sequences)
         assert len(calls) == n_calls and all(shape[0] == 6 for shape in calls)  # lengths 4, 3 and 7
         calls.clear()
         one_by_one = {r for r, ids in sequences.items() if root.accept().as_row(criteria, ids, r, 6, "cpu")}
