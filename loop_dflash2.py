@@ -145,8 +145,8 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     host_ids, host_mask = input_ids.tolist(), attention_mask.tolist()
-    proposer = Proposer(target, drafter, generation_config,
-                        [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(host_ids, host_mask)])
+    prompts = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(host_ids, host_mask)]
+    proposer = Proposer(target, drafter, generation_config, prompts)
     stats = proposer.stats
     stats.mode = f"tree-{budget}" if budget else "linear"
     holes = rows > 1 and takes_holes(target, cache)
@@ -309,6 +309,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         if holes and should_compact(kv_mask.shape[1], real):
             kv_mask = compact(cache, kv_mask)
 
+    proposer.remember(prompts, generated)  # the drafter's suffix index learns this call's outputs
     stats.new_tokens = sum(len(g) for g in generated)
     stats.seconds = time.perf_counter() - proposer.start_time
     if streamer is not None:

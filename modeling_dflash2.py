@@ -22,6 +22,7 @@ The target's embedding and LM head are passed in at call time and never stored.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from .configuration_dflash2 import DFlash2Config
 from .devices_dflash2 import execution_device, module_weights  # noqa: F401 (execution_device: part of this module's API)
 from .selector_dflash2 import DFlash2CandidateSelector, DraftVocabHead, SelectorWalk, linear_head  # noqa: F401 (this module's API)
+from .suffix_dflash2 import SuffixIndex
 from .generation_dflash2 import dflash2_generate, install_assisted_generation_hook  # noqa: F401 (custom_generate uses it)
 
 
@@ -394,6 +396,23 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     # The drafter has no embedding table of its own: it borrows the target's at call time.
     def get_input_embeddings(self):
         return None
+
+    @property
+    def suffix_index(self) -> SuffixIndex | None:
+        """What the target wrote in earlier calls of this process (``suffix_dflash2.SuffixIndex``, made on first use:
+        the last 2^20 tokens; none when the environment sets ``DFLASH2_SUFFIX_INDEX=0``); its proposals join the
+        n-gram's. The one knob: ``.enabled = False`` (off; or assign None), ``.clear()``,
+        ``drafter.suffix_index = SuffixIndex(max_tokens=N)`` (cap), ``.save(path)`` and
+        ``drafter.suffix_index = SuffixIndex.load(path)``."""
+        if "_suffix_index" not in self.__dict__:
+            self.__dict__["_suffix_index"] = None if os.environ.get("DFLASH2_SUFFIX_INDEX", "1") == "0" else SuffixIndex()
+        return self.__dict__["_suffix_index"]
+
+    @suffix_index.setter
+    def suffix_index(self, index: SuffixIndex | None) -> None:
+        if index is not None and not isinstance(index, SuffixIndex):
+            raise TypeError(f"drafter.suffix_index takes a SuffixIndex or None (off), got {type(index).__name__}")
+        self.__dict__["_suffix_index"] = index
 
     def fuse_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """[b, c, n*H] raw target features -> [b, c, H] fused context."""

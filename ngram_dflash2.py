@@ -18,8 +18,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class NgramMatch:
+    """A continuation copied from earlier text: this call's (``"ngram"``, prompt lookup) or earlier calls'
+    (``"suffix"``, ``suffix_dflash2``: ``rates`` are its tokens' acceptance estimates from their frequencies)."""
+
     tokens: list[int]  # the continuation after the earlier occurrence
     match_length: int  # n of the matched n-gram
+    proposer: str = "ngram"
+    rates: list[float] | None = None  # per token; None: the rule's table for the match length
 
 
 class NgramIndex:
@@ -108,7 +113,7 @@ class HybridRule:
     drafter_acceptance: list[float]
     costs: StepCosts
     prior_tokens: float = 8.0  # strength of the calibration against this call's own outcomes
-    outcomes: dict = field(default_factory=lambda: {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0]})  # [accepted, predicted]
+    outcomes: dict = field(default_factory=lambda: {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0], "suffix": [0.0, 0.0]})  # [accepted, predicted]
 
     def factor(self, proposer: str) -> float:
         accepted, predicted = self.outcomes[proposer]
@@ -137,13 +142,29 @@ class HybridRule:
         return [min(1.0, self.drafter_scale * c) for c in confidences]
 
     def ngram_rates(self, match: NgramMatch) -> list[float]:
+        if match.rates is not None:
+            return match.rates
         table = self.ngram_acceptance
         return [table[min(match.match_length, len(table) - 1)]] * len(match.tokens)
+
+    def margin(self, match: NgramMatch) -> float:
+        """``ngram_margin`` is prompt lookup's (fit with its table); an index's frequencies stand on their own."""
+        return self.ngram_margin if match.proposer == "ngram" else 0.0
 
     def _ngram_value(self, match: NgramMatch | None) -> tuple[float, int]:
         if not (match and match.tokens):
             return 1.0, 0
-        return self._best(self.ngram_rates(match), self.factor("ngram"))
+        return self._best(self.ngram_rates(match), self.factor(match.proposer))
+
+    def better_match(self, *matches: NgramMatch | None) -> NgramMatch | None:
+        """The copied continuation worth the most per unit of cost (prompt lookup's margin included), or None."""
+        best, best_value = None, float("-inf")
+        for match in matches:
+            if match and match.tokens:
+                value = self._ngram_value(match)[0] + self.margin(match)
+                if value > best_value:
+                    best, best_value = match, value
+        return best
 
     def mean_drafter_rates(self, n_draft: int) -> list[float]:
         """Per-token acceptance of a draft before it is drawn: P(i accepted | i-1 accepted) from the calibration."""
@@ -157,8 +178,8 @@ class HybridRule:
             value, length = self._best(self.drafter_rates(confidences), self.factor("dflash2"))
             choice = Proposal("dflash2", length) if length else choice
         n_value, n_length = self._ngram_value(match)
-        if n_length and n_value + self.ngram_margin > value:
-            choice = Proposal("ngram", n_length)
+        if n_length and n_value + self.margin(match) > value:
+            choice = Proposal(match.proposer, n_length)
         return choice
 
 
@@ -209,7 +230,7 @@ def draft_pays(rules: list[HybridRule], matches: list, n_draft: list[int], costs
             if with_draft and n:
                 options.append(expected_tokens(rule.mean_drafter_rates(n)[:length], rule.factor("dflash2")) / cost)
             if m and m.tokens:
-                options.append(expected_tokens(rule.ngram_rates(m)[:length], rule.factor("ngram")) / cost + rule.ngram_margin)
+                options.append(expected_tokens(rule.ngram_rates(m)[:length], rule.factor(m.proposer)) / cost + rule.margin(m))
             return max(options)
 
         return min(row(rule, m, n) for rule, m, n in zip(rules, matches, n_draft))

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 from .checks_dflash2 import check_compatible
 from .costs_dflash2 import batch_costs, rule_costs
 from .holes_dflash2 import compact, crop_tail, positions_from_mask, select_rows, should_compact
-from .ngram_dflash2 import HybridRule, NgramIndex, PathProposal, batch_length, cut, draft_pays
+from .ngram_dflash2 import HybridRule, NgramIndex, NgramMatch, PathProposal, batch_length, cut, draft_pays
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats
 from .selector_dflash2 import lattice_lists, lattice_table
 from .tree_dflash2 import tree_with_branch
@@ -117,6 +117,15 @@ def ngram_policy(generation_config, config) -> tuple[int, int, int]:
     return num_tokens, min(settings["min_n"], max_n), max_n
 
 
+def suffix_match(trie, num_tokens: int) -> NgramMatch | None:
+    """The suffix index's most frequent continuation as a copied proposal, each token's acceptance estimated from
+    its count after its parent (``SuffixTrie.smoothing``: calibrated per match length)."""
+    if trie is None:
+        return None
+    tokens, rates = trie.best_path(num_tokens, trie.smoothing())
+    return NgramMatch(tokens, trie.match_length, "suffix", rates)
+
+
 class Proposer:
     """Drafting state for one ``generate`` call over ``rows`` rows (one prompt is a batch of one).
 
@@ -146,6 +155,11 @@ class Proposer:
         self.ngrams = [NgramIndex(min_n, max_n) for _ in range(rows)] if self.ngram_tokens else None
         for i, prompt in enumerate(prompts if self.ngrams else []):
             self.ngrams[i].extend(prompt)
+        # earlier calls' outputs (``drafter.suffix_index``; None, disabled or empty: not asked); ``contexts``: each
+        # row's last tokens, what the index matches
+        index = getattr(drafter, "suffix_index", None)
+        self.suffix = index if self.ngram_tokens and index is not None and index.enabled and len(index) else None
+        self.contexts = [list(p[-max(index.orders):]) for p in prompts] if self.suffix is not None else None
         self.lengths = [len(p) for p in prompts]  # per row: committed tokens (its anchor sits at length - 1)
         self.row_ids = list(range(rows))
         self.trace = TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
@@ -204,7 +218,7 @@ class Proposer:
         select_rows(self.cache, index)
         self.mask = self.mask.index_select(0, index)
         self.pending = [(f.index_select(0, index), m.index_select(0, index)) for f, m in self.pending]
-        for name in ("rules", "ngrams", "row_ids", "real", "lengths", "draft_limits"):
+        for name in ("rules", "ngrams", "contexts", "row_ids", "real", "lengths", "draft_limits"):
             values = getattr(self, name)
             if values is not None:
                 setattr(self, name, [values[i] for i in keep])
@@ -263,6 +277,18 @@ class Proposer:
             self.lengths[i] += len(tokens)
             if self.ngrams is not None:
                 self.ngrams[i].extend(tokens)
+            if self.contexts is not None:
+                self.contexts[i] = (self.contexts[i] + tokens)[-max(self.suffix.orders):]
+
+    def suffix_trie(self, row: int, num_tokens: int):
+        return self.suffix.lookup(self.contexts[row], num_tokens) if self.suffix is not None and num_tokens > 0 else None
+
+    def remember(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        """After the call: every row's output enters the drafter's suffix index (when it has an enabled one)."""
+        index = getattr(self.drafter, "suffix_index", None)
+        if self.ngram_tokens and index is not None and index.enabled:
+            for prompt, output in zip(prompts, outputs):
+                index.add(output, prompt)
 
     def propose(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int]) -> list[PathProposal]:
         """One path per row (``limits[i]``: at most that many tokens), as that row's rule picks it; ONE drafter
@@ -275,6 +301,9 @@ class Proposer:
         matches = [None] * rows
         if self.ngrams is not None:
             matches = [self.ngrams[i].lookup(min(self.ngram_tokens, limits[i])) for i in range(rows)]
+        if self.suffix is not None:  # each row's better copied continuation: this call's or earlier calls'
+            matches = [self.rules[i].better_match(matches[i], suffix_match(self.suffix_trie(i, min(self.ngram_tokens, limits[i])),
+                                                                            limits[i])) for i in range(rows)]
         n_draft = [min(d, limit) for d, limit in zip(self.draft_limits, limits)]
         confidences, drafted, log_q = [None] * rows, [[] for _ in range(rows)], None
         if any(n_draft) and (self.ngrams is None or self.trace is not None or draft_pays(self.rules, matches, n_draft, self.costs)):
@@ -294,7 +323,7 @@ class Proposer:
         out = []
         for i in range(rows):
             choice = self.rules[i].choose(matches[i], confidences[i])
-            if choice.proposer == "ngram":
+            if choice.proposer in ("ngram", "suffix"):
                 out.append(PathProposal(choice, self.rules[i].ngram_rates(matches[i]), matches[i].tokens[: choice.length]))
             else:
                 rates = self.rules[i].drafter_rates(confidences[i]) if confidences[i] is not None else []
@@ -318,7 +347,8 @@ class Proposer:
         for i in range(len(anchors)):
             candidates, log_probs = lattice_lists(host[i])
             trees.append(tree_with_branch(anchors[i], candidates, log_probs, budget, limits[i], self.ngram_tokens,
-                                          self.ngrams[i].lookup if self.ngrams is not None else None, max_nodes))
+                                          self.ngrams[i].lookup if self.ngrams is not None else None, max_nodes,
+                                          lambda n, i=i: self.suffix_trie(i, n)))
         self.stats.draft_seconds += time.perf_counter() - t0
         return trees
 

@@ -114,26 +114,37 @@ def depth_first(tree: TokenTree) -> TokenTree:
     return out
 
 
-def add_branch(tree: TokenTree, tokens: list[int]) -> TokenTree:
-    """Merge a continuation of the root (e.g. the n-gram proposal) into the tree, sharing prefixes."""
-    node = 0
+def add_branch(tree: TokenTree, tokens: list[int], room: int | None = None) -> TokenTree:
+    """Merge a continuation of the root (e.g. the n-gram proposal) into the tree, sharing prefixes, adding at most
+    ``room`` new nodes (the rest of the continuation is dropped)."""
+    node, limit = 0, None if room is None else len(tree) + room
     for token in tokens:
         child = tree.child_with(node, token)
+        if child is None and limit is not None and len(tree) >= limit:
+            break
         node = child if child is not None else tree.add(token, node)
     return tree
 
 
 def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[list[list[float]]], budget: int,
-                     depth_limit: int, branch: int = 0, lookup=None, max_nodes: int | None = None) -> TokenTree:
-    """A step's tree: the ``budget`` most probable lattice nodes (at most ``depth_limit`` deep) plus the n-gram
-    continuation ``lookup(n)`` (a match with ``.tokens``, or None) of up to ``branch`` tokens as one more branch;
-    ``max_nodes`` bounds both together (a static cache's slots), the branch's room reserved first."""
-    branch = min(branch, depth_limit, max_nodes if max_nodes is not None else branch) if lookup is not None else 0
+                     depth_limit: int, branch: int = 0, lookup=None, max_nodes: int | None = None, suffix=None) -> TokenTree:
+    """A step's tree: the ``budget`` most probable lattice nodes (at most ``depth_limit`` deep) plus up to ``branch``
+    more nodes of copied continuations, merged as branches: the suffix index's most frequent continuations first
+    (``suffix(n)``: a ``SuffixTrie`` of up to n tokens deep, or None), then the n-gram continuation ``lookup(n)`` (a
+    match with ``.tokens``, or None) in what room is left; ``max_nodes`` bounds all together (a static cache's
+    slots), the branches' room reserved first."""
+    asked = lookup is not None or suffix is not None
+    branch = min(branch, depth_limit, max_nodes if max_nodes is not None else branch) if asked else 0
     nodes = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
     tree = build_tree(anchor, candidates, log_probs, nodes, depth_limit)
-    match = lookup(branch) if branch > 0 else None
-    if match is not None:
-        add_branch(tree, match.tokens)
+    if branch <= 0:
+        return tree
+    trie = suffix(branch) if suffix is not None else None
+    match = lookup(branch) if lookup is not None else None
+    paths = (trie.branches(branch) if trie is not None else []) + ([match.tokens] if match is not None else [])
+    limit = len(tree) + branch
+    for path in paths:
+        add_branch(tree, path, limit - len(tree))
     return tree
 
 

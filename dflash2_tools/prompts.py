@@ -161,10 +161,17 @@ def jsonl_prompts(path: str | Path) -> list[dict]:
     return out
 
 
+def _repetitive_prompts() -> list[dict]:
+    from .prompt_repetitive import repetitive_prompts
+
+    return repetitive_prompts()
+
+
 PROMPT_SETS = {
     "humaneval": humaneval_prompts,
     "champ": champ_prompts,
     "sharegpt-dev": lambda: sharegpt_prompts("dev"),
+    "repetitive": _repetitive_prompts,  # 48 templated requests, in order (suffix drafting across calls)
 }
 
 

@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DFLASH2_COST_CACHE", "")  # tests measure step costs in-process; nothing kept on disk between runs
+# drafters shared between tests would learn each other's outputs: the suffix index is off unless a test sets one
+# (tests/test_suffix.py)
+os.environ.setdefault("DFLASH2_SUFFIX_INDEX", "0")
 
 import pytest
 import torch
