@@ -141,18 +141,25 @@ def sampling_setup(kind: str):
 def test_sampling_keeps_each_rows_distribution(kind, batch, flash_stand_in, monkeypatch):
     target, drafter = sampling_setup(kind)
     monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS})
-    ids, mask = left_padded(PROMPTS[batch])
-    counts = [{} for _ in PROMPTS[batch]]
+    runs = assert_rows_keep_their_distribution(target, drafter, PROMPTS[batch], SAMPLES)
+    assert sum(r.drafted for r in runs) > 0
+
+
+def assert_rows_keep_their_distribution(target, drafter, prompts: list[list[int]], samples: int) -> list:
+    """Sample the batch ``samples`` times through the drafter; each row's next ``N_NEW`` tokens against the exact joint
+    law (chi-square). Returns the calls' statistics."""
+    ids, mask = left_padded(prompts)
+    counts = [{} for _ in prompts]
     with root.generation().collect_stats() as runs:
-        for seed in range(SAMPLES):
+        for seed in range(samples):
             torch.manual_seed(seed)
             out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, do_sample=True, max_new_tokens=N_NEW,
                                   temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
             for row, row_counts in enumerate(counts):
                 cell = tuple(out[row, ids.shape[1] :].tolist())
                 row_counts[cell] = row_counts.get(cell, 0) + 1
-    assert sum(r.drafted for r in runs) > 0
-    for prompt, row_counts in zip(PROMPTS[batch], counts):
+    for prompt, row_counts in zip(prompts, counts):
         expected = exact_joint(target, torch.tensor([prompt]), _processors(1.0, 1.0, 1.0))
-        assert sum(p * SAMPLES >= 5 for p in expected.values()) >= 10  # cells enough for the test to have power
-        assert chi_square_p_value(row_counts, expected, SAMPLES) > 1e-3, (kind, prompt)
+        assert sum(p * samples >= 5 for p in expected.values()) >= 10  # cells enough for the test to have power
+        assert chi_square_p_value(row_counts, expected, samples) > 1e-3, prompt
+    return runs
