@@ -155,11 +155,12 @@ class Proposer:
         self.ngrams = [NgramIndex(min_n, max_n) for _ in range(rows)] if self.ngram_tokens else None
         for i, prompt in enumerate(prompts if self.ngrams else []):
             self.ngrams[i].extend(prompt)
-        # earlier calls' outputs (``drafter.suffix_index``; None, disabled or empty: not asked); ``contexts``: each
-        # row's last tokens, what the index matches
+        # earlier calls' outputs (``drafter.suffix_index``: learns every call's outputs when enabled; asked only when it
+        # holds some). Copied continuations share prompt lookup's length, so ``prompt_lookup_num_tokens=0`` turns
+        # both off; each row's context is its n-gram index's token list.
         index = getattr(drafter, "suffix_index", None)
-        self.suffix = index if self.ngram_tokens and index is not None and index.enabled and len(index) else None
-        self.contexts = [list(p[-max(index.orders):]) for p in prompts] if self.suffix is not None else None
+        self.index = index if self.ngram_tokens and index is not None and index.enabled else None
+        self.suffix = self.index if self.index is not None and len(self.index) else None
         self.lengths = [len(p) for p in prompts]  # per row: committed tokens (its anchor sits at length - 1)
         self.row_ids = list(range(rows))
         self.trace = TRACE_SINK.get()  # a list to append per-step records to (trace_proposals), or None
@@ -218,7 +219,7 @@ class Proposer:
         select_rows(self.cache, index)
         self.mask = self.mask.index_select(0, index)
         self.pending = [(f.index_select(0, index), m.index_select(0, index)) for f, m in self.pending]
-        for name in ("rules", "ngrams", "contexts", "row_ids", "real", "lengths", "draft_limits"):
+        for name in ("rules", "ngrams", "row_ids", "real", "lengths", "draft_limits"):
             values = getattr(self, name)
             if values is not None:
                 setattr(self, name, [values[i] for i in keep])
@@ -277,18 +278,15 @@ class Proposer:
             self.lengths[i] += len(tokens)
             if self.ngrams is not None:
                 self.ngrams[i].extend(tokens)
-            if self.contexts is not None:
-                self.contexts[i] = (self.contexts[i] + tokens)[-max(self.suffix.orders):]
 
     def suffix_trie(self, row: int, num_tokens: int):
-        return self.suffix.lookup(self.contexts[row], num_tokens) if self.suffix is not None and num_tokens > 0 else None
+        """The suffix index's continuations (at most ``num_tokens`` deep) of the row's committed text, or None."""
+        return self.suffix.lookup(self.ngrams[row].ids, num_tokens) if self.suffix is not None and num_tokens > 0 else None
 
     def remember(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         """After the call: every row's output enters the drafter's suffix index (when it has an enabled one)."""
-        index = getattr(self.drafter, "suffix_index", None)
-        if self.ngram_tokens and index is not None and index.enabled:
-            for prompt, output in zip(prompts, outputs):
-                index.add(output, prompt)
+        for prompt, output in zip(prompts, outputs) if self.index is not None else ():
+            self.index.add(output, prompt)
 
     def propose(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int]) -> list[PathProposal]:
         """One path per row (``limits[i]``: at most that many tokens), as that row's rule picks it; ONE drafter
@@ -302,8 +300,9 @@ class Proposer:
         if self.ngrams is not None:
             matches = [self.ngrams[i].lookup(min(self.ngram_tokens, limits[i])) for i in range(rows)]
         if self.suffix is not None:  # each row's better copied continuation: this call's or earlier calls'
-            matches = [self.rules[i].better_match(matches[i], suffix_match(self.suffix_trie(i, min(self.ngram_tokens, limits[i])),
-                                                                            limits[i])) for i in range(rows)]
+            lengths = [min(self.ngram_tokens, limit) for limit in limits]
+            matches = [self.rules[i].better_match(matches[i], suffix_match(self.suffix_trie(i, lengths[i]), lengths[i]))
+                       for i in range(rows)]
         n_draft = [min(d, limit) for d, limit in zip(self.draft_limits, limits)]
         confidences, drafted, log_q = [None] * rows, [[] for _ in range(rows)], None
         if any(n_draft) and (self.ngrams is None or self.trace is not None or draft_pays(self.rules, matches, n_draft, self.costs)):
