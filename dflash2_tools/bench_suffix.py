@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from tqdm import tqdm
 
 from . import drafter as root
 from .benchmark import ForwardCounter, run_method
+from .card import machine_info
 from .prompts import load_prompt_set
 from .regenerate import load_chunks
 from .target import EMBEDDED_TARGET, load_target
@@ -42,20 +41,12 @@ SEED_DATA = ["data/smollm2-sharegpt-turns-128", "data/smollm2-sharegpt-code-math
              "data/smollm2-school-math-128"]
 
 
-def seeded_index(folders: list[str], max_tokens: int):
+def seeded_index(SuffixIndex, folders: list[str], max_tokens: int):
     """An index holding the regenerated responses of ``folders`` (each after its prompt's tail), oldest first."""
-    index = root.modeling().SuffixIndex(max_tokens=max_tokens)
+    index = SuffixIndex(max_tokens=max_tokens)
     for tokens, prompt_length in load_chunks([f for f in folders if Path(f).is_dir()]):
         index.add(tokens[prompt_length:].tolist(), tokens[:prompt_length].tolist())
     return index
-
-
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    return sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text})
 
 
 def run(args) -> dict:
@@ -63,9 +54,12 @@ def run(args) -> dict:
     target, tokenizer = load_target(args.target, dtype=torch.float32)
     drafter = root.load_drafter(args.drafter, dtype=torch.float32).eval()
     counter = ForwardCounter(target)
-    SuffixIndex = root.modeling().SuffixIndex
+    SuffixIndex = root.suffix_index_class(drafter)
+    if SuffixIndex is None:
+        raise SystemExit(f"the drafter at {args.drafter} has no suffix index (its code predates suffix_dflash2.py): "
+                         "export it with the current code, or benchmark the repository's drafter")
     t0 = time.perf_counter()
-    seeded = seeded_index(args.seed_data, args.seed_max_tokens)
+    seeded = seeded_index(SuffixIndex, args.seed_data, args.seed_max_tokens)
     seed_seconds, seeded_tokens = time.perf_counter() - t0, len(seeded)
     indexes = {"plain-warm": SuffixIndex(), "plain-seeded": seeded}
     sets = {"repetitive": load_prompt_set("repetitive")[: args.limit]}
@@ -131,10 +125,7 @@ def index_scaling(sizes: list[int], lookups: int = 2000, seed: int = 0) -> list[
 
 
 def machine(args) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": cpu, "flags": cpu_flags(), "threads": args.threads, "cores": os.cpu_count(), "torch": torch.__version__,
-            "dtype": "float32", "max_new_tokens": args.max_new_tokens}
+    return {**machine_info(), "threads": args.threads, "dtype": "float32", "max_new_tokens": args.max_new_tokens}
 
 
 def median_ratio(rows: list[dict], by: dict, other: str) -> float | None:

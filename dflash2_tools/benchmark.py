@@ -249,11 +249,11 @@ def benchmark(args):
         # prompt is what a deployment's warm-up avoids
         long_warm = [tokenizer.apply_chat_template(v[0]["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
                      for v in sets.values() if v]
-        SuffixIndex = root.modeling().SuffixIndex
+        new_index = root.suffix_index_class(drafter) or (lambda: None)  # None: drafter code from before the index
         indexes = {}  # per method, the drafter's index over that method's own earlier outputs (in prompt order)
         for method in methods:  # warm-up every path once (llama.cpp runs in its own process); compiles the compiled ones
             if method not in LLAMACPP_METHODS:
-                drafter.suffix_index = SuffixIndex()  # the warm-up's outputs are not remembered
+                drafter.suffix_index = new_index()  # the warm-up's outputs are not remembered
                 t0 = time.perf_counter()
                 run_method(method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter, args.tree_budget, cache_length)
                 for inputs in long_warm if method.endswith(STATIC_COMPILED) else []:
@@ -275,7 +275,7 @@ def benchmark(args):
                         if method in LLAMACPP_METHODS:
                             out, row = None, run_llamacpp_method(method, llama, text, inputs["input_ids"].shape[1], gen_kw)
                         else:
-                            drafter.suffix_index = indexes.setdefault(method, SuffixIndex())
+                            drafter.suffix_index = indexes.setdefault(method, new_index())
                             out, row = run_method(method, target, drafter, inputs, gen_kw, counter, args.tree_budget, cache_length)
                             row["warmup_seconds"] = warmups[(dtype_name, method)]  # the compile time of the compiled methods
                         if method == "target":

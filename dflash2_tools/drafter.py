@@ -87,6 +87,12 @@ def proposer_of(drafter):
     return _package_module(type(drafter).__module__, "proposer_dflash2")
 
 
+def suffix_index_class(drafter):
+    """The ``SuffixIndex`` class of the drafter's own package (its ``suffix_index`` setter accepts that class only), or
+    None for drafter code from before the index."""
+    return getattr(sys.modules[type(drafter).__module__], "SuffixIndex", None)
+
+
 def costs_of(drafter):
     """The ``costs_dflash2`` module (step costs measured on the device) of the drafter's own package."""
     return _package_module(type(drafter).__module__, "costs_dflash2")
