@@ -193,8 +193,18 @@ def test_greedy_equals_the_target_with_suffix_proposals(kind, batch, mode, monke
     drafter.suffix_index = suffix.SuffixIndex()
     drafter.suffix_index.seed([[rng.randrange(60) for _ in range(30)] for _ in range(20)])
     drafter.suffix_index.seed([row[ids.shape[1] - 4 : ids.shape[1] + 10] for row in want.tolist()])
+    proposer_class, found = root.proposer_of(drafter).Proposer, []
+    original_trie = proposer_class.suffix_trie
+
+    def spy(self, row, num_tokens):  # the index's continuations the steps were given (trees merge them as branches)
+        trie = original_trie(self, row, num_tokens)
+        found.append(trie is not None)
+        return trie
+
+    monkeypatch.setattr(proposer_class, "suffix_trie", spy)
     with root.generation().collect_stats() as runs:
         got = target.generate(**kw, assistant_model=drafter)
+    assert sum(found) > 0
     assert torch.equal(got, want)
     stats = runs[-1].as_dict()
     if mode == "path":
@@ -227,7 +237,7 @@ def test_a_warm_index_commits_more_per_forward():
 SAMPLES = 600
 
 
-@pytest.mark.parametrize("batch,mode", [(1, "path"), (4, "path"), (4, "tree")])
+@pytest.mark.parametrize("batch,mode", [(1, "path"), (4, "path"), (1, "tree"), (4, "tree")])
 def test_sampling_with_suffix_proposals_keeps_each_rows_distribution(batch, mode, monkeypatch):
     target = make_target("llama", vocab=V, seed=5, head_scale=2.8)
     target.generation_config.eos_token_id = None
