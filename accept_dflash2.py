@@ -86,7 +86,7 @@ def _draws_against_q(p: torch.Tensor, children: torch.Tensor, q: torch.Tensor, g
     return torch.where(keep | empty, children, redraw)
 
 
-def walk(tree, choices: list[int]) -> tuple[list[int], int]:
+def accepted_path(tree, choices: list[int]) -> tuple[list[int], int]:
     """(accepted path as node ids from the root, bonus token), from the target's choice after each node (host)."""
     path, node = [0], 0
     while True:

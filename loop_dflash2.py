@@ -33,7 +33,7 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from .accept_dflash2 import process_tree, target_choices, walk
+from .accept_dflash2 import accepted_path, process_tree, target_choices
 from .attention_dflash2 import verification_attention
 from .holes_dflash2 import compact, crop_tail, kept_first, kept_mask, positions_from_mask, select_rows, should_compact
 from .proposer_dflash2 import Proposer
@@ -278,7 +278,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
             choices = [drawn[end - len(tree): end] for tree, end in zip(trees, ends)]
         new, paths = [], []
         for i, (r, tree) in enumerate(zip(active, trees)):
-            path, bonus = walk(tree, choices[i])
+            path, bonus = accepted_path(tree, choices[i])
             row_new = ([tree.tokens[k] for k in path[1:]] + [bonus])[: max(1, generation_config.max_length - prompt_length - len(generated[r]))]
             cut = next((k for k, t in enumerate(row_new) if t in eos), None)
             new.append(row_new if cut is None else row_new[: cut + 1])

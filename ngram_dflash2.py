@@ -27,6 +27,15 @@ class NgramMatch:
     rates: list[float] | None = None  # per token; None: the rule's table for the match length
 
 
+def suffix_match(trie, num_tokens: int) -> NgramMatch | None:
+    """The suffix index's most frequent continuation as a copied proposal, each token's acceptance estimated from
+    its count after its parent (``SuffixTrie.smoothing``: calibrated per match length)."""
+    if trie is None:
+        return None
+    tokens, rates = trie.best_path(num_tokens, trie.smoothing())
+    return NgramMatch(tokens, trie.match_length, "suffix", rates)
+
+
 class NgramIndex:
     """Latest earlier occurrence of every n-gram (``min_n <= n <= max_n``) of a growing token list."""
 
@@ -113,7 +122,8 @@ class HybridRule:
     drafter_acceptance: list[float]
     costs: StepCosts
     prior_tokens: float = 8.0  # strength of the calibration against this call's own outcomes
-    outcomes: dict = field(default_factory=lambda: {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0], "suffix": [0.0, 0.0]})  # [accepted, predicted]
+    outcomes: dict = field(default_factory=lambda: {"dflash2": [0.0, 0.0], "ngram": [0.0, 0.0], "suffix": [0.0, 0.0],
+                                                    "tree": [0.0, 0.0]})  # [accepted, predicted]
 
     def factor(self, proposer: str) -> float:
         accepted, predicted = self.outcomes[proposer]
@@ -238,6 +248,29 @@ def draft_pays(rules: list[HybridRule], matches: list, n_draft: list[int], costs
     longest = max([len(m.tokens) for m in matches if m] + n_draft)
     without = max(value(length, False) for length in range(longest + 1))
     return max((value(length, True) for length in range(1, max(n_draft) + 1)), default=0.0) > without
+
+
+def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[float], tree_nodes: int, costs: StepCosts) -> int:
+    """Before a tree step: how many tokens of the rows' copied continuations to verify ALONE (chains, no drafter
+    forward), or 0 to draft the tree (which carries those continuations as branches anyway).
+
+    The tree step is valued like ``draft_pays`` values a batch, by the row that gains least: a row commits at least
+    the better of its tree's expected tokens (``tree_tokens[i]``, bonus included) and its whole copy's, for
+    ``verify(tree_nodes + longest copy) + draft``. A copy step of L tokens commits ``expected_tokens`` of each row's
+    first L copied tokens for ``verify(L)``; a row without a copy commits 1 (its bonus), so one such row keeps the
+    batch on trees. Where verification costs about the same at any width (a GPU) the drafter's cost decides."""
+    copies = [rule.ngram_rates(m) if m and m.tokens else [] for rule, m in zip(rules, matches)]
+    longest = max(len(rates) for rates in copies)
+    if longest == 0:
+        return 0
+    factors = [rule.factor(m.proposer) if m and m.tokens else 1.0 for rule, m in zip(rules, matches)]
+    union = min(max(t, expected_tokens(rates, f)) for t, rates, f in zip(tree_tokens, copies, factors))
+    best_value, best = union / (costs.verify(tree_nodes + longest) + costs.draft), 0
+    for length in range(1, longest + 1):
+        value = min(expected_tokens(rates[:length], f) for rates, f in zip(copies, factors)) / costs.verify(length)
+        if value > best_value + 1e-9:
+            best_value, best = value, length
+    return best
 
 
 def cut(proposal: PathProposal, length: int) -> PathProposal:

@@ -25,10 +25,11 @@ from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 from .checks_dflash2 import check_compatible
 from .costs_dflash2 import batch_costs, rule_costs
 from .holes_dflash2 import compact, crop_tail, positions_from_mask, select_rows, should_compact
-from .ngram_dflash2 import HybridRule, NgramIndex, NgramMatch, PathProposal, batch_length, cut, draft_pays
+from .ngram_dflash2 import (HybridRule, NgramIndex, NgramMatch, PathProposal, Proposal, batch_length, copy_beats_tree, cut,
+                            draft_pays, suffix_match)
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats
 from .selector_dflash2 import lattice_lists, lattice_table
-from .tree_dflash2 import tree_with_branch
+from .tree_dflash2 import add_branch, root_tree, tree_prior, tree_with_branch
 
 def reduce_streams(hidden: torch.Tensor, reduction: str | None) -> torch.Tensor:
     """Hyper-connection targets give [b, t, streams, H]; reduce to [b, t, H] the way the config says."""
@@ -117,15 +118,6 @@ def ngram_policy(generation_config, config) -> tuple[int, int, int]:
     return num_tokens, min(settings["min_n"], max_n), max_n
 
 
-def suffix_match(trie, num_tokens: int) -> NgramMatch | None:
-    """The suffix index's most frequent continuation as a copied proposal, each token's acceptance estimated from
-    its count after its parent (``SuffixTrie.smoothing``: calibrated per match length)."""
-    if trie is None:
-        return None
-    tokens, rates = trie.best_path(num_tokens, trie.smoothing())
-    return NgramMatch(tokens, trie.match_length, "suffix", rates)
-
-
 class Proposer:
     """Drafting state for one ``generate`` call over ``rows`` rows (one prompt is a batch of one).
 
@@ -170,6 +162,7 @@ class Proposer:
         self.mask = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [b, Tc] 1 = a real context entry
         self.real = [0] * rows  # real context entries per row (= the next context position)
         self.pending = []  # (features [b, n, n*H], mask [b, n]) not yet in the drafter cache
+        self.step_copies, self.step_tree_prior = [None] * rows, [None] * rows  # tree steps: per row (``propose_trees``)
         batch = {"batch": rule_costs(vars(self.costs))} if rows > 1 else {}  # a batch's own costs, as the rule uses them
         self.stats = DFlash2Stats(block_size=self.config.block_size, costs={**costs, "source": source, **batch}, batch_size=rows)
         self.stats.row_accept_lengths = [[] for _ in range(rows)]
@@ -283,6 +276,19 @@ class Proposer:
         """The suffix index's continuations (at most ``num_tokens`` deep) of the row's committed text, or None."""
         return self.suffix.lookup(self.ngrams[row].ids, num_tokens) if self.suffix is not None and num_tokens > 0 else None
 
+    def copied_matches(self, limits: list[int]) -> list[NgramMatch | None]:
+        """Per row, the copied continuation worth more (``HybridRule.better_match``): this call's (prompt lookup) or
+        earlier calls' (the suffix index), at most ``min(ngram_tokens, limits[i])`` tokens; None where neither has one."""
+        rows = len(limits)
+        if self.ngrams is None:
+            return [None] * rows
+        lengths = [min(self.ngram_tokens, limit) for limit in limits]
+        matches = [self.ngrams[i].lookup(lengths[i]) for i in range(rows)]
+        if self.suffix is not None:
+            matches = [self.rules[i].better_match(matches[i], suffix_match(self.suffix_trie(i, lengths[i]), lengths[i]))
+                       for i in range(rows)]
+        return matches
+
     def remember(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         """After the call: every row's output enters the drafter's suffix index (when it has an enabled one)."""
         for prompt, output in zip(prompts, outputs) if self.index is not None else ():
@@ -296,13 +302,7 @@ class Proposer:
         The batch then verifies one length for every row (``batch_length``: a row's shorter proposal is padded)."""
         self._grow(new_tokens)
         rows = len(anchors)
-        matches = [None] * rows
-        if self.ngrams is not None:
-            matches = [self.ngrams[i].lookup(min(self.ngram_tokens, limits[i])) for i in range(rows)]
-        if self.suffix is not None:  # each row's better copied continuation: this call's or earlier calls'
-            lengths = [min(self.ngram_tokens, limit) for limit in limits]
-            matches = [self.rules[i].better_match(matches[i], suffix_match(self.suffix_trie(i, lengths[i]), lengths[i]))
-                       for i in range(rows)]
+        matches = self.copied_matches(limits)
         n_draft = [min(d, limit) for d, limit in zip(self.draft_limits, limits)]
         confidences, drafted, log_q = [None] * rows, [[] for _ in range(rows)], None
         if any(n_draft) and (self.ngrams is None or self.trace is not None or draft_pays(self.rules, matches, n_draft, self.costs)):
@@ -334,9 +334,23 @@ class Proposer:
     def propose_trees(self, anchors: list[int], new_tokens: list[list[int]], limits: list[int], budget: int,
                       max_nodes: int | None = None) -> list:
         """A ``TokenTree`` per row: the ``budget`` most probable nodes of the row's top-K lattice (at most ``limits[i]``
-        deep), plus the row's n-gram continuation as a branch; ``max_nodes`` bounds both together (a static cache's
-        slots). ONE drafter forward and ONE transfer for the batch."""
+        deep), plus the row's copied continuations as branches; ``max_nodes`` bounds both together (a static cache's
+        slots). ONE drafter forward and ONE transfer for the batch. When the rows' copied continuations alone promise
+        more per unit of cost (``copy_beats_tree``), they are the step's trees (chains) and the drafter does not run."""
         self._grow(new_tokens)
+        rows = len(anchors)
+        self.step_copies, self.step_tree_prior = [None] * rows, [None] * rows
+        matches = self.copied_matches(limits)
+        prior = tree_prior(self.config.hybrid_settings()["drafter_acceptance"], self.config.block_size, budget)
+        if self.trace is None and any(matches):  # the copies alone, without a drafter forward, when they promise more
+            tree_tokens = [1.0 + prior * rule.factor("tree") for rule in self.rules]
+            length = copy_beats_tree(self.rules, matches, tree_tokens, budget, self.costs)
+            if length:
+                self.step_copies = [PathProposal(Proposal(m.proposer, min(length, len(m.tokens))), self.rules[i].ngram_rates(m),
+                                                 m.tokens[:length]) if m else PathProposal(Proposal("none", 0), [], [])
+                                    for i, m in enumerate(matches)]
+                return [add_branch(root_tree(a), p.tokens) for a, p in zip(anchors, self.step_copies)]
+        self.step_tree_prior = [None if m else prior for m in matches]
         t0 = time.perf_counter()
         anchor_ids = torch.tensor(anchors, device=self.device)  # [b]
         hidden = self.draft_hidden(anchor_ids)  # [b, B-1, H]
@@ -359,8 +373,15 @@ class Proposer:
         for i, n in enumerate(accepted):
             if n is None:
                 continue
-            if trees is not None:
+            if trees is not None and self.step_copies[i] is not None:  # a copy verified alone (``propose_trees``)
+                copy = self.step_copies[i]
+                self.stats.record_step(copy.choice.length, n, copy.choice.proposer)
+                self.rules[i].record(copy.choice, copy.rates, n)
+            elif trees is not None:
                 self.stats.record_step(len(trees[i]) - 1, n, "dflash2-tree", depth=max(trees[i].depths))
+                if self.step_tree_prior[i] is not None:  # a tree without a copied branch: how good trees are here
+                    self.rules[i].outcomes["tree"][0] += n
+                    self.rules[i].outcomes["tree"][1] += self.step_tree_prior[i]
             else:
                 choice = proposals[i].choice
                 self.stats.record_step(choice.length, n, choice.proposer)

@@ -180,6 +180,14 @@ TREE_GAIN = {4: 1.07, 8: 1.18, 16: 1.28, 32: 1.36}
 TREE_MARGIN = 1.1
 
 
+def tree_prior(drafter_acceptance: list[float], block_size: int, budget: int) -> float:
+    """A tree step's expected committed drafted tokens before drafting: one path's from the calibration
+    (``drafter_acceptance``: P(block position i accepted)) times the tree's gain over it (``TREE_GAIN``, the largest
+    measured budget not above this one); ``HybridRule.factor("tree")`` pulls it to what this call's trees commit."""
+    gain = max((g for nodes, g in TREE_GAIN.items() if nodes <= budget), default=1.0)
+    return (1.0 + sum(drafter_acceptance[: block_size - 1])) * gain - 1.0
+
+
 def choose_tree_budget(costs, drafter_acceptance: list[float]) -> tuple[int, dict]:
     """(node budget, the values compared): a tree of N nodes where it commits the most tokens per unit of cost,
     else 0 (one path). ``costs``: a StepCosts; ``drafter_acceptance``: P(block position i accepted), calibrated.

@@ -106,6 +106,25 @@ def test_rule_cuts_drafts_to_what_pays_for_its_verification():
     assert not pays(cpu, None) and pays(rule(ngram), None) and not pays(rule(ngram), match)
 
 
+def test_a_tree_step_verifies_the_copies_alone_only_when_they_promise_more():
+    """``copy_beats_tree``: a long, likely copy beats a mediocre tree on a CPU (the drafter's forward and the tree's
+    width are saved); a mediocre copy beside a good tree does not; one row without a copy keeps a batch on trees;
+    where verification is free, a copy as likely as the tree still wins (the drafter's forward is not free) and a
+    better tree wins."""
+    ngram = root._sibling("ngram_dflash2")
+    cpu = ngram.StepCosts(multi_token_step=0.65, per_token=0.035, draft=0.25)
+    gpu = ngram.StepCosts(multi_token_step=0.0, per_token=0.0, draft=0.1)
+    rule = ngram.HybridRule([0.0, 0.5, 0.7, 0.9], 1.0, 0.0, [0.8] * 7, cpu)
+    likely = ngram.NgramMatch(list(range(8)), 4, "suffix", [0.97] * 8)  # 1 + 6.9 tokens expected
+    unsure = ngram.NgramMatch(list(range(8)), 2, "suffix", [0.4] * 8)  # 1 + 0.67
+    assert ngram.copy_beats_tree([rule], [likely], [3.0], 8, cpu) == 8
+    assert ngram.copy_beats_tree([rule], [unsure], [3.0], 8, cpu) == 0
+    assert ngram.copy_beats_tree([rule, rule], [likely, None], [3.0, 3.0], 8, cpu) == 0
+    assert ngram.copy_beats_tree([rule, rule], [likely, likely], [3.0, 3.0], 8, cpu) == 8
+    assert ngram.copy_beats_tree([rule], [likely], [7.9], 8, gpu) == 8 and ngram.copy_beats_tree([rule], [likely], [9.5], 8, gpu) == 0
+    assert ngram.copy_beats_tree([rule], [None], [3.0], 8, cpu) == 0
+
+
 def test_rule_learns_from_this_calls_outcomes():
     ngram = root._sibling("ngram_dflash2")
     cpu = rule(ngram, {"multi_token_step": 0.5, "per_token": 0.1, "draft": 0.25})

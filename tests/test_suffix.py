@@ -177,14 +177,25 @@ def force_suffix(monkeypatch):
     monkeypatch.setattr(ngram.HybridRule, "choose", forced)
 
 
+def force_tree_step(drafter, mode: str, monkeypatch):
+    """Tree calls: "tree" always drafts the tree (copies as branches), "copies" verifies the copies alone whenever
+    every row has one (the drafter skipped); a path call leaves the rule alone."""
+    if mode in ("tree", "copies"):
+        module = root.proposer_of(drafter)
+        monkeypatch.setattr(module, "copy_beats_tree", lambda rules, matches, *rest: 0 if mode == "tree" else
+                            max((len(m.tokens) for m in matches if m), default=0) * all(matches))
+
+
 @pytest.mark.parametrize("kind,batch,mode", [("llama", 1, "path"), ("llama", 4, "path"), ("llama", 1, "tree"),
-                                            ("llama", 4, "tree"), ("glm5_next", 4, "path")])
+                                            ("llama", 4, "tree"), ("llama", 1, "copies"), ("llama", 4, "copies"),
+                                            ("glm5_next", 4, "path")])
 def test_greedy_equals_the_target_with_suffix_proposals(kind, batch, mode, monkeypatch):
     target = make_target(kind)
     drafter = tiny_drafter(target, seed=3, **drafter_shape(target))
     monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS, "num_tokens": 6})
-    monkeypatch.setattr(drafter.config, "tree_budget", 4 if mode == "tree" else None)
+    monkeypatch.setattr(drafter.config, "tree_budget", None if mode == "path" else 4)
     force_suffix(monkeypatch)
+    force_tree_step(drafter, mode, monkeypatch)
     rows = [[5, 9, 2, 7, 1, 4, 3], [8, 3, 1], [2, 6, 4, 4, 9], [7, 7, 1, 5]][:batch]
     ids, mask = left_padded(rows)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -207,11 +218,12 @@ def test_greedy_equals_the_target_with_suffix_proposals(kind, batch, mode, monke
     assert sum(found) > 0
     assert torch.equal(got, want)
     stats = runs[-1].as_dict()
-    if mode == "path":
+    if mode != "tree":  # paths, and tree calls whose copies went alone: suffix steps with hits and misses
         used = stats["per_proposer"]["suffix"]
-        assert used["steps"] > 0 and 0 < used["accepted"] < used["drafted"], stats["per_proposer"]  # hits and misses
-    else:
-        assert stats["accepted"] > 0
+        assert used["steps"] > 0 and 0 < used["accepted"] < used["drafted"], stats["per_proposer"]
+    if mode != "path":
+        assert stats["per_proposer"].get("dflash2-tree", {}).get("steps", 0) > 0, stats["per_proposer"]  # and trees
+    assert stats["accepted"] > 0
     before = drafter.suffix_index.documents
     again = target.generate(**kw, assistant_model=drafter)  # the call's outputs were indexed: the same call again
     assert torch.equal(again, want) and drafter.suffix_index.documents == before + batch
@@ -237,18 +249,19 @@ def test_a_warm_index_commits_more_per_forward():
 SAMPLES = 600
 
 
-@pytest.mark.parametrize("batch,mode", [(1, "path"), (4, "path"), (1, "tree"), (4, "tree")])
+@pytest.mark.parametrize("batch,mode", [(1, "path"), (4, "path"), (1, "tree"), (4, "tree"), (1, "copies"), (4, "copies")])
 def test_sampling_with_suffix_proposals_keeps_each_rows_distribution(batch, mode, monkeypatch):
     target = make_target("llama", vocab=V, seed=5, head_scale=2.8)
     target.generation_config.eos_token_id = None
     drafter = tiny_drafter(target, seed=7, mask_token_id=V - 1, selector_top_k=3, block_size=4, conv_group_size=16,
                            target_layer_ids=[0, 1, 2])
     monkeypatch.setattr(drafter.config, "hybrid_ngram", {**drafter.config.hybrid_settings(), "costs": FREE_COSTS, "num_tokens": 3})
-    monkeypatch.setattr(drafter.config, "tree_budget", 3 if mode == "tree" else None)
+    monkeypatch.setattr(drafter.config, "tree_budget", None if mode == "path" else 3)
     force_suffix(monkeypatch)
+    force_tree_step(drafter, mode, monkeypatch)
     rng = random.Random(0)  # every short context occurred before, followed by arbitrary tokens: q far from p
     drafter.suffix_index = suffix.SuffixIndex()
     drafter.suffix_index.seed([[rng.randrange(V - 1) for _ in range(60)] for _ in range(4)])
     runs = assert_rows_keep_their_distribution(target, drafter, [[1, 3, 2], [4, 1], [2], [3, 0, 1]][:batch], SAMPLES)
-    if mode == "path":
+    if mode != "tree":
         assert sum(r.per_proposer.get("suffix", {}).get("drafted", 0) for r in runs) > SAMPLES // 2  # suffix tokens were verified

@@ -110,7 +110,7 @@ def test_walk_draws_exactly_from_p_for_any_candidate_set(tree_module):
     n = 6000
     counts = torch.zeros(5)
     for _ in range(n):
-        path, bonus = accept.walk(tree, accept.target_choices(tree, logits, True, generator=g).tolist())
+        path, bonus = accept.accepted_path(tree, accept.target_choices(tree, logits, True, generator=g).tolist())
         counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
     expected = {i: float(p[i]) for i in range(5)}
     assert chi_square_p_value({i: int(counts[i]) for i in range(5)}, expected, n) > 1e-3
@@ -134,8 +134,8 @@ def test_the_walk_follows_the_choices_and_stops_at_the_first_miss(tree_module):
     a, b = tree.add(4, 0), tree.add(5, 0)
     c = tree.add(6, b)
     choices = [5, 0, 6, 8]  # per node: root -> 5 (node b), b -> 6 (node c), c -> 8 (no child: the bonus)
-    assert accept.walk(tree, choices) == ([0, b, c], 8)
-    assert accept.walk(tree, [7, 0, 0, 0]) == ([0], 7)
+    assert accept.accepted_path(tree, choices) == ([0, b, c], 8)
+    assert accept.accepted_path(tree, [7, 0, 0, 0]) == ([0], 7)
     assert a == 1
 
 
