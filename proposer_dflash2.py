@@ -162,7 +162,7 @@ class Proposer:
         self.mask = torch.zeros(rows, 0, dtype=torch.long, device=self.device)  # [b, Tc] 1 = a real context entry
         self.real = [0] * rows  # real context entries per row (= the next context position)
         self.pending = []  # (features [b, n, n*H], mask [b, n]) not yet in the drafter cache
-        self.step_copies, self.step_tree_prior = [None] * rows, [None] * rows  # tree steps: per row (``propose_trees``)
+        self.step_copies, self.step_tree_prior, self.step_found = [None] * rows, [None] * rows, []  # per row, per step
         batch = {"batch": rule_costs(vars(self.costs))} if rows > 1 else {}  # a batch's own costs, as the rule uses them
         self.stats = DFlash2Stats(block_size=self.config.block_size, costs={**costs, "source": source, **batch}, batch_size=rows)
         self.stats.row_accept_lengths = [[] for _ in range(rows)]
@@ -283,11 +283,18 @@ class Proposer:
         if self.ngrams is None:
             return [None] * rows
         lengths = [min(self.ngram_tokens, limit) for limit in limits]
-        matches = [self.ngrams[i].lookup(lengths[i]) for i in range(rows)]
-        if self.suffix is not None:
-            matches = [self.rules[i].better_match(matches[i], suffix_match(self.suffix_trie(i, lengths[i]), lengths[i]))
-                       for i in range(rows)]
-        return matches
+        self.step_found = [(n, self.ngrams[i].lookup(n), self.suffix_trie(i, n)) for i, n in enumerate(lengths)]
+        if self.suffix is None:
+            return [match for _, match, _ in self.step_found]
+        return [self.rules[i].better_match(match, suffix_match(trie, n)) for i, (n, match, trie) in enumerate(self.step_found)]
+
+    def copies(self, row: int, num_tokens: int) -> tuple:
+        """(prompt lookup's match, the suffix trie) of the row, ``num_tokens`` deep: this step's (``copied_matches``)
+        when the depth is theirs, else looked up again (a static cache with little room left)."""
+        depth, match, trie = self.step_found[row]
+        if num_tokens == depth:
+            return match, trie
+        return self.ngrams[row].lookup(num_tokens), self.suffix_trie(row, num_tokens)
 
     def remember(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         """After the call: every row's output enters the drafter's suffix index (when it has an enabled one)."""
@@ -360,8 +367,7 @@ class Proposer:
         for i in range(len(anchors)):
             candidates, log_probs = lattice_lists(host[i])
             trees.append(tree_with_branch(anchors[i], candidates, log_probs, budget, limits[i], self.ngram_tokens,
-                                          self.ngrams[i].lookup if self.ngrams is not None else None, max_nodes,
-                                          lambda n, i=i: self.suffix_trie(i, n)))
+                                          None if self.ngrams is None else lambda n, i=i: self.copies(i, n), max_nodes))
         self.stats.draft_seconds += time.perf_counter() - t0
         return trees
 
@@ -373,19 +379,16 @@ class Proposer:
         for i, n in enumerate(accepted):
             if n is None:
                 continue
-            if trees is not None and self.step_copies[i] is not None:  # a copy verified alone (``propose_trees``)
-                copy = self.step_copies[i]
-                self.stats.record_step(copy.choice.length, n, copy.choice.proposer)
-                self.rules[i].record(copy.choice, copy.rates, n)
-            elif trees is not None:
+            path = proposals[i] if trees is None else self.step_copies[i]  # a tree call's copy verified alone: a path
+            if path is None:
                 self.stats.record_step(len(trees[i]) - 1, n, "dflash2-tree", depth=max(trees[i].depths))
                 if self.step_tree_prior[i] is not None:  # a tree without a copied branch: how good trees are here
                     self.rules[i].outcomes["tree"][0] += n
                     self.rules[i].outcomes["tree"][1] += self.step_tree_prior[i]
             else:
-                choice = proposals[i].choice
+                choice = path.choice
                 self.stats.record_step(choice.length, n, choice.proposer)
-                self.rules[i].record(choice, proposals[i].rates, n)
+                self.rules[i].record(choice, path.rates, n)
                 if self.adaptive and choice.proposer == "dflash2" and choice.length:
                     full = n == choice.length
                     self.draft_limits[i] = (min(self.config.block_size - 1, self.draft_limits[i] + 2) if full

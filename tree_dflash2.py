@@ -127,20 +127,18 @@ def add_branch(tree: TokenTree, tokens: list[int], room: int | None = None) -> T
 
 
 def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[list[list[float]]], budget: int,
-                     depth_limit: int, branch: int = 0, lookup=None, max_nodes: int | None = None, suffix=None) -> TokenTree:
+                     depth_limit: int, branch: int = 0, copies=None, max_nodes: int | None = None) -> TokenTree:
     """A step's tree: the ``budget`` most probable lattice nodes (at most ``depth_limit`` deep) plus up to ``branch``
-    more nodes of copied continuations, merged as branches: the suffix index's most frequent continuations first
-    (``suffix(n)``: a ``SuffixTrie`` of up to n tokens deep, or None), then the n-gram continuation ``lookup(n)`` (a
-    match with ``.tokens``, or None) in what room is left; ``max_nodes`` bounds all together (a static cache's
-    slots), the branches' room reserved first."""
-    asked = lookup is not None or suffix is not None
-    branch = min(branch, depth_limit, max_nodes if max_nodes is not None else branch) if asked else 0
+    more nodes of copied continuations, merged as branches. ``copies(n)``: (the n-gram continuation, a match with
+    ``.tokens``, or None; the suffix index's ``SuffixTrie`` of up to n tokens deep, or None); the trie's most
+    frequent continuations go first, the n-gram continuation in what room is left; ``max_nodes`` bounds all
+    together (a static cache's slots), the branches' room reserved first."""
+    branch = min(branch, depth_limit, max_nodes if max_nodes is not None else branch) if copies is not None else 0
     nodes = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
     tree = build_tree(anchor, candidates, log_probs, nodes, depth_limit)
     if branch <= 0:
         return tree
-    trie = suffix(branch) if suffix is not None else None
-    match = lookup(branch) if lookup is not None else None
+    match, trie = copies(branch)
     paths = (trie.branches(branch) if trie is not None else []) + ([match.tokens] if match is not None else [])
     limit = len(tree) + branch
     for path in paths:
