@@ -32,6 +32,13 @@ RUNS = {  # name -> flags on top of the common ones
     "throughput + init from target": FAST + ["--init-from-target"],
     "all levers": FAST + ["--distill-weight", "1", "--position-weighting", "chain", "--init-from-target"],
 }
+RECIPE = RUNS["all levers"]  # the current recipe for a fresh drafter (3 layers, block 8, 128-token greedy responses)
+LEVERS = {  # issue 41's next levers, each against the current recipe at the same CPU budget (--levers)
+    "current recipe (3 layers, block 8)": RECIPE,
+    "block 16": RECIPE + ["--block-size", "16"],
+    "4 layers": RECIPE + ["--layers", "4"],
+    "5 layers": RECIPE + ["--layers", "5"],
+}
 
 
 def slug(name: str) -> str:
@@ -51,6 +58,8 @@ def main(argv=None):
     ap.add_argument("--feature-cache-dir", default=None)
     ap.add_argument("--only", nargs="*", default=None, help="run only these settings (names as in the table)")
     ap.add_argument("--docs", default="docs/training", help="where the table, JSON and PNG go")
+    ap.add_argument("--levers", action="store_true", help="the next levers against the current recipe (block 16, 4-5 layers) "
+                    "instead of the recipe's own ablations; written as levers.{md,json,png}")
     cli, extra = ap.parse_known_args(argv)
     common = ["--data", *cli.data, "--mask-token-id", "16", "--max-response-tokens", "128", "--train-limit", str(cli.train_limit),
               "--eval-sequences", str(cli.eval_sequences), "--eval-every", "1000000", "--save-every", "50", "--precision", "fp32",
@@ -64,7 +73,7 @@ def main(argv=None):
     fills = {"features and teacher": time.time() - t0}
     print(f"feature store ready in {fills['features and teacher']:.0f} s (wall, including the target load)", flush=True)
     results = {}
-    for name, flags in RUNS.items():
+    for name, flags in (LEVERS if cli.levers else RUNS).items():
         if cli.only and name not in cli.only:
             continue
         run = out / slug(name)
@@ -83,7 +92,7 @@ def main(argv=None):
     summary = {"budget_cpu_minutes": None if cli.steps else cli.budget_cpu_minutes, "steps": cli.steps, "train_limit": cli.train_limit, "data": cli.data,
                "eval_sequences": cli.eval_sequences, "fill_wall_seconds": fills, "runs": results,
                "command": "python -m dflash2_tools.training.ablate " + " ".join(sys.argv[1:] if argv is None else argv)}
-    name = "ablations" + (f"-{cli.steps}-steps" if cli.steps else "")
+    name = ("levers" if cli.levers else "ablations") + (f"-{cli.steps}-steps" if cli.steps else "")
     (docs / f"{name}.json").write_text(json.dumps(summary, indent=1))
     (docs / f"{name}.md").write_text(table(summary))
     plot(summary, docs / f"{name}.png")

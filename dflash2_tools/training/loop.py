@@ -135,6 +135,8 @@ def parse_args(argv=None):
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-only", action="store_true",
                    help="evaluate the drafter (OUT's checkpoint, else --init-from) on the dev split, print the JSON record, exit")
+    t.add_argument("--eval-block-size", type=int, default=None,
+                   help="with --eval-only: draft and verify blocks of this size (e.g. a drafter trained at 16 verified at 8)")
     t.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.mask_token_id is None and not args.init_from:
@@ -187,6 +189,12 @@ def main(argv=None):
               f"{cfg.target_layer_ids}, draft vocabulary {len(cfg.draft_vocab_ids) if cfg.draft_vocab_ids else 'full'}; "
               f"{'bf16 autocast' if use_bf16 else 'fp32'}; data: {len(train)} train / {len(dev)} dev sequences; "
               + (f"resuming at step {step}" if step else "starting"), flush=True)
+    if args.eval_block_size is not None:
+        if not args.eval_only:
+            raise SystemExit("--eval-block-size applies to --eval-only (a run trains and evaluates at its own block size)")
+        if not 2 <= args.eval_block_size <= cfg.block_size:
+            raise SystemExit(f"--eval-block-size {args.eval_block_size}: use 2..{cfg.block_size} (the drafter's trained block size)")
+        raw.config.block_size = args.eval_block_size  # the block is [anchor, mask x (B-1)]: a shorter one is a smaller input
     if args.eval_only or (is_main and step == 0 and args.init_from and not log_path.exists()):
         # a warm start logs where it starts, on ITS dev split, so its learning curve has a baseline
         record = {"step": step, "tokens_seen": tokens_seen, "loss": None, "dev": evaluate(raw, target, eval_head, dev, args, device, autocast)}
