@@ -47,7 +47,7 @@ HYBRID_NGRAM_DEFAULTS = {
     "drafter_scale": 1.2,
     "ngram_margin": -0.5,
     "drafter_acceptance": [0.388, 0.177, 0.086, 0.034, 0.024, 0.002, 0.002],
-    "costs": None,  # None: the table on fp32 CPUs, measured elsewhere; "table"; "measured"; a dict (costs_dflash2.step_costs)
+    "costs": None,  # None or "measured": this device's, measured once (kept on disk); "table"; a dict (costs_dflash2.step_costs)
 }
 
 
@@ -102,9 +102,9 @@ class DFlash2Config(PreTrainedConfig):
             (``ngram_dflash2.py``): ``num_tokens`` (continuation length, 0 = off), ``min_n``,
             ``max_n``, the calibrated rule ``ngram_acceptance`` (per match length),
             ``drafter_scale``, ``ngram_margin``, ``drafter_acceptance`` (mean P(position i accepted)),
-            and ``costs`` (a step's costs in one-token forwards: a dict; ``"measured"`` on the device at first
-            use; ``"table"``; None: the table on fp32 CPUs, where the rule was calibrated with it, measured
-            elsewhere; ``costs_dflash2.step_costs``). Unset keys take ``HYBRID_NGRAM_DEFAULTS``.
+            and ``costs`` (a step's costs in one-token forwards: a dict; None or ``"measured"``: on the device at
+            first use, kept on disk; ``"table"``: the per-device-class table; ``costs_dflash2.step_costs``). Unset
+            keys take ``HYBRID_NGRAM_DEFAULTS``.
             Per call, transformers' own ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``
             override ``num_tokens`` / ``max_n``. Top-level key only (engines ignore it).
         tree_budget (`int` or `"auto"`, optional): verify a token tree of this many drafted nodes (best
@@ -347,11 +347,12 @@ class DFlash2Config(PreTrainedConfig):
                 raise ValueError(f"hybrid_ngram needs num_tokens >= 0 and 1 <= min_n <= max_n, got {h}")
             costs = h["costs"]
             if costs not in (None, "table", "measured") and (
-                not isinstance(costs, dict) or set(costs) != {"multi_token_step", "per_token", "draft"} or min(costs.values()) < 0
+                not isinstance(costs, dict) or set(costs) - {"curve"} != {"multi_token_step", "per_token", "draft"}
+                or min(costs[k] for k in ("multi_token_step", "per_token", "draft")) < 0
             ):
                 raise ValueError(
-                    "hybrid_ngram costs must be None (by device), \"table\", \"measured\" or non-negative "
-                    f"multi_token_step, per_token and draft, got {costs}"
+                    "hybrid_ngram costs must be None (measured), \"table\", \"measured\" or non-negative "
+                    f"multi_token_step, per_token and draft (and optionally a measured curve), got {costs}"
                 )
         budget = self.tree_budget
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):

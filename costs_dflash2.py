@@ -1,12 +1,13 @@
 """What a decoding step costs on THIS device, measured once per machine (kept on disk), for the rule and the tree choice.
 
 The rule (ngram_dflash2.HybridRule) weighs expected tokens against cost in one-token target forwards: verifying L
-drafted tokens costs ``1 + multi_token_step + per_token * L``, a draft ``draft``. Those differ by orders of magnitude
-between a compute-bound CPU, a CPU with native bf16 and a GPU, so at first use per (device, dtype, target, drafter)
-we time t(n), target forwards of n = 1, 2 and n_max tokens (the longest linear verification), and one draft (drafter
-forward + head + selector walk), with CUDA events on a GPU; medians of 2-3 rounds (a batch: over a 128-token context,
-the fastest of 3-8 rounds within 1.5 s), and fit ``t(n) / t(1) = 1 + multi_token_step + per_token * (n - 1)`` through
-n = 2 and n_max (exact at the shortest and longest verification: the true curve is concave). ``hybrid_ngram["costs"]``
+drafted tokens costs ``verify(L)``, a draft ``draft``. Those differ by orders of magnitude between a compute-bound
+CPU, a CPU with native bf16 and a GPU, and on a CPU the cost is not a line in L (flat to 2 tokens, a step to 4,
+shallower after), so at first use per (device, dtype, target, drafter) we time target forwards of the widths a step
+runs (1, 2, 4, 8, 16, the longest linear verification, a 32-node tree), each over a 128-token cache like a step's,
+and one draft (drafter forward + head + selector walk), with CUDA events on a GPU; each the fastest of 3-8 rounds
+(noise only ever adds time). The widths' costs are the ``curve`` the rule interpolates; ``multi_token_step`` and
+``per_token`` are the line through 2 tokens and the longest verification, for reports. ``hybrid_ngram["costs"]``
 overrides; the per-device table (``table_step_costs``) is the fallback when a measurement cannot run.
 """
 
@@ -23,13 +24,14 @@ import torch
 
 from .ngram_dflash2 import StepCosts
 
-MEASURE_SECONDS = 0.3  # stop adding rounds past this, once MIN_ROUNDS are in
-MIN_ROUNDS, MAX_ROUNDS = 2, 3
-# A batch's rule sits near break-even on a CPU (a batch of long proposals costs about what it saves), where two
-# short measurements in two processes flipped it (docs/bench-batch-fp32-champ16): batches measure longer, over a
-# context like a step's, and take each forward's fastest round (noise only ever adds time).
-BATCH_MEASURE_SECONDS, BATCH_MIN_ROUNDS, BATCH_MAX_ROUNDS = 1.5, 3, 8
-BATCH_CONTEXT_TOKENS = 128
+# Every width is timed over a context like a step's (attention and the cache's growth are part of a step's cost), the
+# fastest of MIN_ROUNDS..MAX_ROUNDS rounds within MEASURE_SECONDS: two short measurements in two processes had flipped
+# a batch's rule near break-even (docs/bench-batch-fp32-champ16), and one linear fit through two widths, each the
+# median of two rounds, had put a 13-token verification at 3.7 one-token forwards where a step measured 2.2.
+MEASURE_SECONDS, MIN_ROUNDS, MAX_ROUNDS = 1.5, 3, 8
+CONTEXT_TOKENS = 128
+TREE_WIDTH = 33  # the largest "auto" tree (32 nodes) and its root
+COST_MODEL = "curve-2"  # part of the disk cache's key: costs measured by an older model are measured again
 _MEASURED: dict[tuple, dict] = {}  # per process: key -> costs
 # ...and on disk, so that a new process (a server's restart, the next script) does not measure again: one JSON file,
 # keyed by the device's model (CPU model and threads, or GPU name), dtype, target, drafter and torch version.
@@ -95,7 +97,7 @@ class _Timer:
 
 def _cache_key(target, drafter, device, dtype, rows: int = 1) -> tuple:
     tcfg = target.config.get_text_config()
-    return (rows, str(device), str(dtype), type(target).__name__, getattr(target.config, "_name_or_path", ""),
+    return (COST_MODEL, rows, str(device), str(dtype), type(target).__name__, getattr(target.config, "_name_or_path", ""),
             tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, drafter.config.block_size, drafter.config.num_hidden_layers)
 
 
@@ -136,33 +138,28 @@ def _disk_costs(key: tuple, device, costs: dict | None = None) -> dict | None:
 
 @torch.no_grad()
 def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) -> dict:
-    """Time the target's 1-, 2- and longest-verification forwards and one draft; return the fitted costs (module doc).
+    """Time the target's forwards at every width a step runs and one draft; return the costs (module doc).
     ``rows``: of a batch that many rows (each forward then runs rows x n tokens; the unit is a plain batched step)."""
     cfg = drafter.config
     block = cfg.block_size
     longest = 1 + max(block - 1, cfg.hybrid_settings()["num_tokens"])  # the most tokens a linear step verifies
+    widths = sorted({1, 2, 4, 8, 16, longest, TREE_WIDTH})
     tdevice = target.get_input_embeddings().weight.device
     tdevice = tdevice if tdevice.type != "meta" else device
     rng = torch.Generator().manual_seed(0)  # its own: a measurement inside a sampling call leaves the global RNG alone
-    ids = torch.randint(0, cfg.vocab_size, (rows, longest), generator=rng).to(tdevice)  # [rows, n_max]
+    ids = torch.randint(0, cfg.vocab_size, (rows, widths[-1]), generator=rng).to(tdevice)  # [rows, n_max]
     layers = [i + 1 for i in cfg.target_layer_ids]
     dtype = next(drafter.parameters()).dtype
     noise = torch.randn(rows, block, cfg.hidden_size, generator=rng).to(device, dtype)  # [rows, B, H]
     context = torch.randn(rows, 4, len(cfg.target_layer_ids) * cfg.hidden_size, generator=rng).to(device, dtype)  # [rows, 4, n*H]
     anchor = ids[:, -1].to(device)
-
-    past = None
-    if rows > 1:  # a step of a batch runs over a cache: attention and the cache's growth are part of its cost
-        filler = torch.randint(0, cfg.vocab_size, (rows, BATCH_CONTEXT_TOKENS), generator=rng).to(tdevice)  # [rows, C]
-        past = target(input_ids=filler, use_cache=True).past_key_values
+    filler = torch.randint(0, cfg.vocab_size, (rows, CONTEXT_TOKENS), generator=rng).to(tdevice)  # [rows, C]
+    past = target(input_ids=filler, use_cache=True).past_key_values
 
     def forward(n):
-        if past is None:
-            return lambda: target(input_ids=ids[:, :n], use_cache=True, output_hidden_states=layers)
-
         def step():
             target(input_ids=ids[:, :n], past_key_values=past, use_cache=True, output_hidden_states=layers)
-            past.crop(-n)  # back to the context (a batch's caches are dynamic, full attention)
+            past.crop(-n)  # back to the context
         return step
 
     def draft():
@@ -175,36 +172,40 @@ def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int
             logits.argmax(-1)
 
     timer = _Timer(device)
-    jobs = {"t1": forward(1), "t2": forward(2), "tn": forward(longest), "draft": draft}
-    jobs["tn"]()  # warm-up: every weight and the multi-token path once (the one-token path warms in round one)
-    draft()
+    jobs = {**{n: forward(n) for n in widths}, "draft": draft}
+    for job in jobs.values():  # warm-up: every shape once (kernels chosen and buffers grown outside the timing)
+        job()
     times = {name: [] for name in jobs}
     spent = time.perf_counter()
-    min_rounds, max_rounds, seconds = (MIN_ROUNDS, MAX_ROUNDS, MEASURE_SECONDS) if rows == 1 else \
-        (BATCH_MIN_ROUNDS, BATCH_MAX_ROUNDS, BATCH_MEASURE_SECONDS)
-    for round_ in range(max_rounds):
+    for round_ in range(MAX_ROUNDS):
         for name, job in jobs.items():
             times[name].append(timer(job))
-        if round_ + 1 >= min_rounds and time.perf_counter() - spent > seconds:
+        if round_ + 1 >= MIN_ROUNDS and time.perf_counter() - spent > MEASURE_SECONDS:
             break
-    pick = statistics.median if rows == 1 else min
-    med = {name: pick(v) for name, v in times.items()}
-    costs = fit_costs(med["t1"], med["t2"], med["tn"], longest, med["draft"])
-    costs["one_token_ms"] = round(med["t1"] * 1000, 3)
+    fastest = {name: min(v) for name, v in times.items()}
+    t1 = fastest[1]
+    costs = fit_costs(t1, fastest[2], fastest[longest], longest, fastest["draft"])
+    # a wider forward never costs less than a narrower one: timing noise must not make the curve go down
+    curve, top = [], 0.0
+    for n in widths:
+        top = max(top, fastest[n] / t1)
+        curve.append([n, round(top, 4)])
+    costs["curve"] = curve
+    costs["one_token_ms"] = round(t1 * 1000, 3)
     return costs
 
 
 def step_costs(target, drafter, lm_head, device: torch.device, rows: int = 1) -> tuple[dict, str]:
     """(costs, source) for this call, by ``hybrid_ngram["costs"]``: a dict: those ("config"); ``"table"``: the per-device
-    table; ``"measured"``: this device's (the table if measuring fails); None (default): the table on an fp32 CPU (the
-    regime the shipped rule was grid-searched in, where it beat the measured costs: docs/evaluation.md), measured
-    everywhere else. ``rows`` > 1: a batch's costs, in plain batched steps (measured whenever one row would be measured
-    or use the table; a configured dict is scaled by ``batch_costs``). ``lm_head``: the draft head (None: built)."""
+    table; ``"measured"`` or None (the default): this device's (the table if measuring fails). Until the curve, an fp32
+    CPU defaulted to the table, which a line through two widths had beaten; the curve beats the table there by 9-13%
+    (docs/hybrid/policies.md). ``rows`` > 1: a batch's costs, in plain batched steps (measured at the batch's size,
+    also for ``"table"``; a configured dict is scaled by ``batch_costs``). ``lm_head``: the draft head (None: built)."""
     configured = drafter.config.hybrid_settings()["costs"]
     dtype = next(drafter.parameters()).dtype
     if isinstance(configured, dict):
         return dict(configured), "config"
-    if rows == 1 and (configured == "table" or (configured is None and torch.device(device).type == "cpu" and dtype == torch.float32)):
+    if rows == 1 and configured == "table":
         return table_step_costs(device, dtype), "table"
     key = _cache_key(target, drafter, device, dtype, rows)
     if key not in _MEASURED:
@@ -244,8 +245,11 @@ def batch_costs(target, drafter, lm_head, device, rows: int) -> tuple[StepCosts,
 
 
 def rule_costs(costs: dict) -> dict:
-    """The three numbers the cost model takes (a measurement also carries its one-token time)."""
-    return {k: costs[k] for k in ("multi_token_step", "per_token", "draft")}
+    """What ``StepCosts`` takes: the three numbers, and a measurement's curve (it also carries its one-token time)."""
+    out = {k: costs[k] for k in ("multi_token_step", "per_token", "draft")}
+    if costs.get("curve"):
+        out["curve"] = tuple((int(w), float(c)) for w, c in costs["curve"])
+    return out
 
 
 __all__ = ["batch_costs", "batch_step_costs", "cpu_has_native_bf16", "fit_costs", "measure_step_costs", "rule_costs", "step_costs", "table_step_costs"]

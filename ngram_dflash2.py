@@ -78,14 +78,26 @@ class Proposal:
 @dataclass
 class StepCosts:
     """Costs in one-token target forwards: verifying L >= 1 drafted tokens costs
-    ``1 + multi_token_step + per_token * L`` (a plain step costs 1); a drafter forward ``draft``."""
+    ``1 + multi_token_step + per_token * L`` (a plain step costs 1); a drafter forward ``draft``. A measured
+    ``curve`` (forward width -> cost, widths ascending, the first 1) replaces the line where it is known: interpolated
+    between measured widths, extended past the last along its last segment (a CPU's cost is not a line: flat to 2
+    tokens, a step to 4, then shallower)."""
 
     multi_token_step: float = 0.0
     per_token: float = 0.0
     draft: float = 0.0
+    curve: tuple | None = None  # ((width, cost), ...)
 
     def verify(self, length: int) -> float:
-        return 1.0 + (self.multi_token_step + self.per_token * length if length else 0.0)
+        if not length:
+            return 1.0
+        if self.curve is None:
+            return 1.0 + self.multi_token_step + self.per_token * length
+        width, points = length + 1, self.curve
+        for (w0, c0), (w1, c1) in zip(points, points[1:]):
+            if width <= w1 or (w1, c1) == points[-1]:
+                return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        return points[-1][1]
 
 
 def expected_tokens(rates: list[float], factor: float = 1.0) -> float:

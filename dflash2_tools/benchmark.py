@@ -16,7 +16,9 @@ own ``generate``:
   ``dflash2+ngram-kN`` (``--ngram-tokens N``) with n-gram continuations of up to N tokens
 * ``dflash2+ngram-table`` / ``dflash2+ngram-measured``: the plain call with one path per step and the step
   costs forced to the per-device table (as before costs were measured) / to this device's measurement
-  (``costs_dflash2.step_costs``); ``dflash2+ngram`` is the default: costs by device, ``tree_budget="auto"``
+  (``costs_dflash2.step_costs``); ``dflash2+ngram`` is the default: costs by device, ``tree_budget="auto"``;
+  ``dflash2-rule-measured``: the default with this device's measured costs (the whole rule: the tree or path choice,
+  the proposals, the lengths), to hold against the fixed policies (``dflash2``, ``dflash2-tree``, ``pld``, ...)
 * ``dflash2-fullvocab``: the same with the full LM head instead of the drafter's draft vocabulary
   (``draft_vocab_ids``; run only when the drafter has one): what the sub-vocabulary saves and costs
 * ``dflash2-dN`` (``--draft-tokens N``): the same, verifying only the first N drafted tokens
@@ -59,7 +61,8 @@ from . import drafter as root
 from .prompts import load_prompt_set
 from .target import EMBEDDED_TARGET, load_target
 
-METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash2+ngram-measured", "dflash2+ngram", "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
+METHODS = ("target", "pld", "dflash1", "dflash2", "dflash2+ngram-table", "dflash2+ngram-measured", "dflash2+ngram", "dflash2-rule-measured",
+           "dflash2-tree", "dflash2-tree+ngram", "dflash2-fullvocab",
            "target-static-compiled", "dflash2+ngram-static-compiled", "llama.cpp", "llama.cpp+dflash2", "llama.cpp+ngram")
 STATIC_COMPILED = "-static-compiled"
 
@@ -194,16 +197,16 @@ def run_method(method, target, drafter, inputs, gen_kw, counter, tree_nodes: int
             kw["num_assistant_tokens"] = int(method[len("dflash2-d"):])
         if method.startswith("dflash2+ngram-k"):
             kw["prompt_lookup_num_tokens"] = int(method[len("dflash2+ngram-k"):])
-        elif not method.startswith(("dflash2+ngram", "dflash2-tree+ngram")):
+        elif not method.startswith(("dflash2+ngram", "dflash2-tree+ngram", "dflash2-rule")):
             kw["prompt_lookup_num_tokens"] = 0  # the block draft alone
         overrides = {}
         if method.startswith("dflash2-tree"):
             overrides["tree_budget"] = tree_nodes
-        elif not method.startswith("dflash2+ngram") or method in ("dflash2+ngram-table", "dflash2+ngram-measured"):
+        elif not method.startswith(("dflash2+ngram", "dflash2-rule")) or method in ("dflash2+ngram-table", "dflash2+ngram-measured"):
             overrides["tree_budget"] = None  # one path (the plain call keeps the drafter's own tree_budget, "auto")
         if method == "dflash2-fullvocab":
             overrides["draft_vocab_ids"] = None
-        if method in ("dflash2+ngram-table", "dflash2+ngram-measured"):  # the step costs forced to one source
+        if method in ("dflash2+ngram-table", "dflash2+ngram-measured", "dflash2-rule-measured"):  # costs forced to one source
             overrides["hybrid_ngram"] = {**(drafter.config.hybrid_ngram or {}), "costs": method.rsplit("-", 1)[1]}
         with config_override(drafter, **overrides), gen.collect_stats() as runs:
             out = target.generate(**inputs, assistant_model=drafter, **kw)

@@ -362,6 +362,24 @@ def test_fit_costs_recovers_a_linear_cost_model():
     assert fit == {"multi_token_step": pytest.approx(0.5), "per_token": pytest.approx(0.1), "draft": pytest.approx(0.3)}
 
 
+def test_a_measured_cost_curve_is_what_the_rule_prices():
+    """Measured widths are priced as measured (not by a line through two of them), between them interpolated, past
+    the last extended along the last segment; a measurement's curve never goes down and reaches the rule."""
+    ngram = root._sibling("ngram_dflash2")
+    curve = ((1, 1.0), (2, 1.09), (4, 1.53), (8, 1.77), (17, 2.17))
+    costs = ngram.StepCosts(0.0, 0.2285, 0.33, curve)
+    assert costs.verify(0) == 1.0 and costs.verify(1) == pytest.approx(1.09) and costs.verify(3) == pytest.approx(1.53)
+    assert costs.verify(5) == pytest.approx(1.53 + 0.24 * 2 / 4) and costs.verify(16) == pytest.approx(2.17)
+    assert costs.verify(25) == pytest.approx(2.17 + 0.4 / 9 * 9)
+    assert ngram.StepCosts(0.0, 0.2285, 0.33).verify(12) == pytest.approx(1 + 0.2285 * 12)  # the line: 3.7, not 2.2
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    measured = root_costs().measure_step_costs(target, drafter, drafter.draft_head(target.get_output_embeddings()), torch.device("cpu"))
+    widths, prices = zip(*measured["curve"])
+    assert widths[0] == 1 and prices[0] == 1.0 and list(prices) == sorted(prices) and 33 in widths
+    assert root_costs().rule_costs(measured)["curve"] == tuple((int(w), float(c)) for w, c in measured["curve"])
+
+
 def root_costs():
     return root._sibling("costs_dflash2")
 
@@ -391,11 +409,13 @@ def test_costs_are_measured_once_per_machine_and_reported(monkeypatch, tmp_path)
     configured = tiny_drafter(target, hybrid_ngram={"costs": FREE_COSTS})
     _, st = gen.dflash2_generate(target, configured, torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
     assert st.costs == {**FREE_COSTS, "source": "config"} and len(calls) == 1
-    # the default: on an fp32 CPU the table the shipped rule was calibrated with; measured for other dtypes / devices
+    # the default: measured on every device and dtype (an fp32 CPU too); "table" asks for the per-device table
     _, st = gen.dflash2_generate(target, tiny_drafter(target, hybrid_ngram=None), torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
-    assert st.costs["source"] == "table" and len(calls) == 1
+    assert st.costs["source"] == "measured" and len(calls) == 1  # this process measured this pair already
     c, source = costs_module.step_costs(target.to(torch.bfloat16), tiny_drafter(target, hybrid_ngram=None).to(torch.bfloat16), None, torch.device("cpu"))
     assert source == "measured" and len(calls) == 2
+    _, source = costs_module.step_costs(target.float(), tiny_drafter(target, hybrid_ngram={"costs": "table"}), None, torch.device("cpu"))
+    assert source == "table" and len(calls) == 2
 
 
 # ---- 7. the demo says what holds --------------------------------------------------------------------------------

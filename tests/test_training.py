@@ -188,6 +188,13 @@ def test_warm_start_logs_its_baseline_and_eval_only_reproduces_it(tmp_path, caps
     assert printed["dev"] == log_a[-1]["dev"] and not (tmp_path / "d" / "log.jsonl").exists()
     n_train = sum(1 for i, (t, p) in enumerate(seqs) if len(t) - p >= 2 and not training_data.is_dev_sequence(i))
     assert f"data: {n_train} train / " in out  # both folders were read
+    # a drafter trained at block 4 verified at block 3: a shorter block, per-position figures for its 2 drafted slots
+    train.main(common + ["--out", str(tmp_path / "e"), "--init-from", str(first), "--eval-only", "--eval-block-size", "3"])
+    shorter = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dev"]
+    assert len(shorter["top1_per_position"]) == 2 and len(log_a[-1]["dev"]["top1_per_position"]) == 3
+    assert shorter.keys() == log_a[-1]["dev"].keys()
+    with pytest.raises(SystemExit, match="use 2..4"):
+        train.main(common + ["--out", str(tmp_path / "e"), "--init-from", str(first), "--eval-only", "--eval-block-size", "5"])
 
 
 def test_export_and_reload(tmp_path):

@@ -262,15 +262,15 @@ def test_tree_sampling_matches_target_distribution(setup, monkeypatch, processor
 
 def test_auto_budget_follows_the_costs(tree_module):
     """Where verification is nearly free (native bf16, a GPU) a tree commits the most per cost; where a multi-token
-    forward costs 2x a decode (fp32 on an AVX2 CPU) one path or a plain step does."""
+    token of a forward costs 0.38 of a decode (emulated bf16 on an AVX2 CPU) one path or a plain step does."""
     ngram = root.ngram_of(tiny_drafter())
     acceptance = [0.432, 0.209, 0.107, 0.045, 0.031, 0.015, 0.011]
     cheap, values = tree_module.choose_tree_budget(ngram.StepCosts(0.05, 0.005, 0.2), acceptance)
     assert cheap in tree_module.TREE_GAIN and values[f"tree-{cheap}"] == max(values.values())
     free, _ = tree_module.choose_tree_budget(ngram.StepCosts(0.0, 0.0, 0.0), acceptance)
     assert free == max(tree_module.TREE_GAIN)  # nothing costs more: the biggest tree
-    dear, values = tree_module.choose_tree_budget(ngram.StepCosts(0.65, 0.035, 0.25), acceptance)
-    assert dear == 0 and max(values.values()) < tree_module.TREE_MARGIN * values["plain"]
+    dear, values = tree_module.choose_tree_budget(ngram.StepCosts(0.0, 0.38, 0.55), acceptance)
+    assert dear == 0 and max(values.values()) == max(v for k, v in values.items() if not k.startswith("tree"))
 
 
 def test_tree_mode_keeps_the_version_guard(trained_pair, monkeypatch):
