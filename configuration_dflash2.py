@@ -354,6 +354,12 @@ class DFlash2Config(PreTrainedConfig):
                     "hybrid_ngram costs must be None (measured), \"table\", \"measured\" or non-negative "
                     f"multi_token_step, per_token and draft (and optionally a measured curve), got {costs}"
                 )
+            curve = costs.get("curve") if isinstance(costs, dict) else None
+            if curve is not None and not (
+                len(curve) >= 2 and all(len(p) == 2 and p[1] >= 0 for p in curve) and all(a[0] < b[0] for a, b in zip(curve, curve[1:]))
+            ):
+                raise ValueError(f"hybrid_ngram costs curve must be [width, cost] pairs, at least two, widths increasing, "
+                                 f"costs non-negative (as costs_dflash2.measure_step_costs writes it), got {curve}")
         budget = self.tree_budget
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"tree_budget must be None (one path), \"auto\" (by device) or a node count >= 0, got {budget!r}")

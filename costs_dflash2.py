@@ -13,11 +13,11 @@ overrides; the per-device table (``table_step_costs``) is the fallback when a me
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -157,12 +157,9 @@ def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int
     past = target(input_ids=filler, use_cache=True).past_key_values
 
     def forward(n):
-        def step():
-            target(input_ids=ids[:, :n], past_key_values=past, use_cache=True, output_hidden_states=layers)
-            past.crop(-n)  # back to the context
-        return step
+        return lambda cache: target(input_ids=ids[:, :n], past_key_values=cache, use_cache=True, output_hidden_states=layers)
 
-    def draft():
+    def draft(_):
         hidden = drafter(noise_embeds=noise, context_hidden_states=context).last_hidden_state[:, 1:]  # [rows, B-1, H]
         logits = drafter.draft_logits(lm_head, hidden).float()  # [rows, B-1, V']
         if drafter.candidate_selector is not None:
@@ -173,13 +170,19 @@ def measure_step_costs(target, drafter, lm_head, device: torch.device, rows: int
 
     timer = _Timer(device)
     jobs = {**{n: forward(n) for n in widths}, "draft": draft}
-    for job in jobs.values():  # warm-up: every shape once (kernels chosen and buffers grown outside the timing)
-        job()
+
+    def timed(name) -> float:
+        # each forward over its own copy of the context (made outside the timing): a stateful layer cannot crop back
+        cache = copy.deepcopy(past) if name != "draft" else None
+        return timer(lambda: jobs[name](cache))
+
+    for name in jobs:  # warm-up: every shape once (kernels chosen and buffers grown outside the timing)
+        timed(name)
     times = {name: [] for name in jobs}
     spent = time.perf_counter()
     for round_ in range(MAX_ROUNDS):
-        for name, job in jobs.items():
-            times[name].append(timer(job))
+        for name in jobs:
+            times[name].append(timed(name))
         if round_ + 1 >= MIN_ROUNDS and time.perf_counter() - spent > MEASURE_SECONDS:
             break
     fastest = {name: min(v) for name, v in times.items()}

@@ -86,18 +86,16 @@ class StepCosts:
     multi_token_step: float = 0.0
     per_token: float = 0.0
     draft: float = 0.0
-    curve: tuple | None = None  # ((width, cost), ...)
+    curve: tuple | None = None  # ((width, cost), ...): at least two widths, increasing
 
     def verify(self, length: int) -> float:
         if not length:
             return 1.0
         if self.curve is None:
             return 1.0 + self.multi_token_step + self.per_token * length
-        width, points = length + 1, self.curve
-        for (w0, c0), (w1, c1) in zip(points, points[1:]):
-            if width <= w1 or (w1, c1) == points[-1]:
-                return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
-        return points[-1][1]
+        width = length + 1
+        (w0, c0), (w1, c1) = next((pair for pair in zip(self.curve, self.curve[1:]) if width <= pair[1][0]), self.curve[-2:])
+        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)  # inside the segment, or along the last one past its end
 
 
 def expected_tokens(rates: list[float], factor: float = 1.0) -> float:

@@ -348,7 +348,7 @@ class Proposer:
         rows = len(anchors)
         self.step_copies, self.step_tree_prior = [None] * rows, [None] * rows
         matches = self.copied_matches(limits)
-        prior = tree_prior(self.config.hybrid_settings()["drafter_acceptance"], self.config.block_size, budget)
+        prior = tree_prior(self.rules[0].drafter_acceptance, self.config.block_size, budget)  # the calibration, as the rules hold it
         if self.trace is None and any(matches):  # the copies alone, without a drafter forward, when they promise more
             tree_tokens = [1.0 + prior * rule.factor("tree") for rule in self.rules]
             length = copy_beats_tree(self.rules, matches, tree_tokens, budget, self.costs)

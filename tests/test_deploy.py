@@ -378,6 +378,15 @@ def test_a_measured_cost_curve_is_what_the_rule_prices():
     widths, prices = zip(*measured["curve"])
     assert widths[0] == 1 and prices[0] == 1.0 and list(prices) == sorted(prices) and 33 in widths
     assert root_costs().rule_costs(measured)["curve"] == tuple((int(w), float(c)) for w, c in measured["curve"])
+    with pytest.raises(Exception, match="widths increasing"):  # @strict wraps the ValueError
+        tiny_drafter(target, hybrid_ngram={"costs": {**FREE_COSTS, "curve": [[4, 1.5], [2, 1.1]]}})
+    # a stateful target (linear-attention layers cannot crop back to the context) is measured too, not the table
+    stateful = tiny_glm5_next()
+    glm_drafter = tiny_drafter(stateful, target_layer_ids=[0, 2, 4], target_hidden_reduction="mean", conv_group_size=8,
+                               hybrid_ngram={"costs": "measured"})
+    for rows in (1, 2):
+        costs, source = root_costs().step_costs(stateful, glm_drafter, None, torch.device("cpu"), rows)
+        assert source.startswith("measured") and "error" not in costs and len(costs["curve"]) == 7
 
 
 def root_costs():
