@@ -158,7 +158,9 @@ def main(argv=None):
         old = json.loads(meta_path.read_text())
         if old != meta:
             raise SystemExit(f"{out} was generated with other settings:\n{old}\nnow:\n{meta}\nUse another --out folder.")
-    meta_path.write_text(json.dumps(meta, indent=1))
+    tmp = meta_path.with_name(f"meta.{rank}.tmp")  # atomic: another process may be reading it
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(meta_path)
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
@@ -171,7 +173,7 @@ def main(argv=None):
     n_chunks = (len(records) + CHUNK - 1) // CHUNK
     first = args.offset // CHUNK
     done = {p.name for p in out.glob("chunk_*.npz")}
-    bar = tqdm(total=len(records) - first * CHUNK, desc="regenerating", unit="prompt")
+    bar = tqdm(total=len(records) - first * CHUNK, desc="regenerating", unit="prompt", disable=rank != 0)
     n_tokens, t0 = 0, time.time()
     for c in range(first, n_chunks):
         path = out / f"chunk_{c:05d}.npz"

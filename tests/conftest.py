@@ -72,6 +72,28 @@ def overfit_drafter(target, steps=120, seed=0, **overrides):
     return drafter.eval(), prompts
 
 
+def tiny_target_folder(tmp_path):
+    """A tiny target saved with a word-level tokenizer, usable as --target by the CLI."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash2_tools.regenerate import save_chunk
+
+    target = tiny_target("llama")
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")), pad_token="t0")
+    tok.save_pretrained(folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 2, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (12,), generator=g)]
+    seqs = greedy_sequences(target, prompts, max_new_tokens=24)
+    save_chunk(data / "chunk_00000.npz", [s[:p] for s, p in seqs], [s[p:] for s, p in seqs])
+    return folder, data
+
+
 @pytest.fixture(scope="session")
 def llama_target():
     return tiny_target("llama")

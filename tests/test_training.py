@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, greedy_sequences, root, tiny_drafter, tiny_target
+from conftest import VOCAB, greedy_sequences, root, tiny_drafter, tiny_target, tiny_target_folder
 
 from dflash2_tools import train
 from dflash2_tools.regenerate import load_chunks, save_chunk
@@ -115,28 +115,8 @@ def test_a_few_steps_lower_the_loss():
         assert loss_at(0).item() < 0.7 * before
 
 
-def _tiny_target_folder(tmp_path):
-    """A tiny target saved with a word-level tokenizer, usable as --target by the CLI."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    target = tiny_target("llama")
-    folder = tmp_path / "target"
-    target.save_pretrained(folder)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")), pad_token="t0")
-    tok.save_pretrained(folder)
-    data = tmp_path / "data"
-    data.mkdir()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, VOCAB - 2, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (12,), generator=g)]
-    seqs = greedy_sequences(target, prompts, max_new_tokens=24)
-    save_chunk(data / "chunk_00000.npz", [s[:p] for s, p in seqs], [s[p:] for s, p in seqs])
-    return folder, data
-
-
 def test_stop_and_resume_equals_uninterrupted(tmp_path):
-    folder, data = _tiny_target_folder(tmp_path)
+    folder, data = tiny_target_folder(tmp_path)
     assert len(load_chunks(data)) == 12
     common = ["--target", str(folder), "--data", str(data), "--mask-token-id", str(VOCAB - 2), "--layers", "2",
               "--block-size", "4", "--batch-size", "2", "--blocks-per-seq", "4", "--max-steps", "6", "--eval-every", "3",
@@ -162,7 +142,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path):
 
 
 def test_warm_start_logs_its_baseline_and_eval_only_reproduces_it(tmp_path, capsys):
-    folder, data = _tiny_target_folder(tmp_path)
+    folder, data = tiny_target_folder(tmp_path)
     common = ["--target", str(folder), "--data", str(data), "--mask-token-id", str(VOCAB - 2), "--layers", "2",
               "--block-size", "4", "--batch-size", "2", "--blocks-per-seq", "4", "--eval-sequences", "2",
               "--selector-rank", "8", "--selector-top-k", "4", "--heads", "6", "--kv-heads", "2", "--conv-group-size", "16",
@@ -200,7 +180,7 @@ def test_warm_start_logs_its_baseline_and_eval_only_reproduces_it(tmp_path, caps
 def test_export_and_reload(tmp_path):
     from dflash2_tools.training.export import export
 
-    folder, data = _tiny_target_folder(tmp_path)
+    folder, data = tiny_target_folder(tmp_path)
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     drafter.save_pretrained(tmp_path / "ckpt")
@@ -405,7 +385,7 @@ def test_init_from_target_copies_its_last_layers_and_passes_the_deepest_tapped_l
 
 
 def test_all_levers_train_end_to_end_under_a_cpu_budget(tmp_path):
-    folder, data_dir = _tiny_target_folder(tmp_path)
+    folder, data_dir = tiny_target_folder(tmp_path)
     common = ["--target", str(folder), "--data", str(data_dir), "--mask-token-id", str(VOCAB - 2), "--layers", "2",
               "--block-size", "4", "--batch-size", "2", "--blocks-per-seq", "4", "--eval-sequences", "2", "--eval-every", "1000",
               "--selector-rank", "8", "--selector-top-k", "4", "--conv-group-size", "16", "--precision", "fp32",

@@ -38,6 +38,7 @@ LEVERS = {  # issue 41's next levers, each against the current recipe at the sam
     "block 16": RECIPE + ["--block-size", "16"],
     "4 layers": RECIPE + ["--layers", "4"],
     "5 layers": RECIPE + ["--layers", "5"],
+    "256-token responses": RECIPE + ["--max-response-tokens", "256"],  # run on 256-token data: --data with those folders
 }
 
 
@@ -68,14 +69,16 @@ def main(argv=None):
     if cli.feature_cache_dir:
         common += ["--feature-cache-dir", cli.feature_cache_dir]
     out = Path(cli.out)
+    runs = {name: flags for name, flags in (LEVERS if cli.levers else RUNS).items() if not cli.only or name in cli.only}
     t0 = time.time()
-    train_main(common + FAST + ["--out", str(out / "fill"), "--fill-features-only"])  # the one store every stored run reads
+    # the stores every stored run reads, filled before the runs: one per response length a run trains on
+    lengths = {tuple(flags[i : i + 2]) for flags in runs.values() for i, f in enumerate(flags) if f == "--max-response-tokens"}
+    for length in [()] + sorted(lengths):
+        train_main(common + FAST + list(length) + ["--out", str(out / "fill"), "--fill-features-only"])
     fills = {"features and teacher": time.time() - t0}
-    print(f"feature store ready in {fills['features and teacher']:.0f} s (wall, including the target load)", flush=True)
+    print(f"feature stores ready in {fills['features and teacher']:.0f} s (wall, including the target load)", flush=True)
     results = {}
-    for name, flags in (LEVERS if cli.levers else RUNS).items():
-        if cli.only and name not in cli.only:
-            continue
+    for name, flags in runs.items():
         run = out / slug(name)
         log = run / "log.jsonl"
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

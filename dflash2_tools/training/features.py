@@ -129,12 +129,17 @@ class FeatureStore:
         cols = torch.from_numpy(np.asarray(self.teacher_cols[lo:hi], dtype=np.int64))
         return features, logp, cols
 
-    def flush(self):
+    def flush(self, merge=None, write_marks: bool = True):
+        """Arrays to disk, then the marks of complete sequences. Several processes fill one store, each its own
+        sequences: ``merge`` ORs the marks over them (a collective: every rank calls it) and one writes them."""
         for array in (self.features, *((self.teacher_logp, self.teacher_cols) if self.teacher_k else ())):
             array.flush()
-        tmp = self.folder / "filled.tmp.npy"
-        np.save(tmp, self.filled)
-        tmp.replace(self.folder / "filled.npy")
+        if merge is not None:
+            self.filled = merge(self.filled)
+        if write_marks:
+            tmp = self.folder / "filled.tmp.npy"
+            np.save(tmp, self.filled)
+            tmp.replace(self.folder / "filled.npy")
 
     def seed_from_siblings(self) -> int:
         """Copy the rows of every missing sequence that another store beside this one already holds (same settings,

@@ -99,10 +99,11 @@ def blocks_forward(drafter, target, head: LossHead, tokens, lengths, anchors, va
     return hidden, logits, labels, anchor_ids
 
 
-def compute_loss(drafter, target, head: LossHead, batch, features, generator, args, teacher=None):
+def compute_loss(drafter, target, head: LossHead, batch, features, generator, args, teacher=None, sum_over_ranks=None):
     """Loss of ``args.blocks_per_seq`` random-anchor blocks per sequence -> (loss, metrics).
 
-    teacher: (log-probs [b, T, k], columns [b, T, k]) per token, or None (no distillation).
+    generator: one, or one per sequence; teacher: (log-probs [b, T, k], columns [b, T, k]) per token, or None (no
+    distillation); sum_over_ranks: sums a weight over every rank's batch (several processes, training/ranks.py).
     """
     tokens, lengths, prompt_lengths = batch
     anchors, valid = sample_anchors(lengths, prompt_lengths, args.blocks_per_seq, generator)
@@ -111,16 +112,17 @@ def compute_loss(drafter, target, head: LossHead, batch, features, generator, ar
     decay = position_weights(B, args.gamma, device=logits.device)
     cols = label_columns(labels, head.columns)  # [b, n, B-1]
     weights = chain_weights(logits, cols, decay, args.chain_floor) if args.position_weighting == "chain" else decay
-    loss = block_cross_entropy(logits, cols, weights)
+    loss = block_cross_entropy(logits, cols, weights, sum_over_ranks)
     metrics = {"ce": float(loss.detach())}
     if teacher is not None and args.distill_weight > 0:
         anchors = anchors.to(logits.device)
         logp, tcols = (teacher_at_blocks(t.to(logits.device), anchors, B) for t in teacher)  # [b, n, B-1, k] each
-        kd = distillation_cross_entropy(logits, logp, tcols, labels != IGNORE, weights)
+        kd = distillation_cross_entropy(logits, logp, tcols, labels != IGNORE, weights, sum_over_ranks)
         loss = loss + args.distill_weight * kd
         metrics["distill"] = float(kd.detach())
     if drafter.candidate_selector is not None and args.selector_weight > 0:
-        sel, covered = selector_cross_entropy(drafter.candidate_selector, hidden, logits, anchor_ids, labels, weights, head.vocab_ids)
+        sel, covered = selector_cross_entropy(drafter.candidate_selector, hidden, logits, anchor_ids, labels, weights, head.vocab_ids,
+                                              sum_over_ranks)
         loss = loss + args.selector_weight * sel
         metrics.update(selector_ce=float(sel.detach()), topk_coverage=float(covered))
     return loss, metrics

@@ -2,8 +2,8 @@
 
     # 2-core CPU, embedded SmolLM2-135M-Instruct target
     python -m dflash2_tools.train --data data/smollm2-sharegpt --out runs/smollm2 --mask-token-id 16
-    # N GPUs, any target (same script)
-    accelerate launch -m dflash2_tools.train --target zai-org/GLM-5.3-Flash --data DATA --out OUT --bf16
+    # N processes, any target (same script): N GPUs, or N gloo processes on a CPU-only machine (training/ranks.py)
+    accelerate launch --multi_gpu --num_processes N -m dflash2_tools.train --target zai-org/GLM-5.3-Flash --data DATA --out OUT --bf16
 
 Each step:  features (and teacher) of the batch's sequences <- the feature store, or the frozen
 target for sequences not stored yet;  ``--blocks-per-seq`` random-anchor blocks per sequence
@@ -12,7 +12,8 @@ selector term, position- or acceptance-weighted;  AdamW step.
 
 Everything needed to continue is in ``OUT/checkpoint`` (weights, optimizer, schedule, step,
 budget spent); the data order and anchors are a pure function of (seed, step), so a resumed run
-takes exactly the batches an uninterrupted one would. Re-running the same command resumes.
+takes exactly the batches an uninterrupted one would, with any number of processes holding the
+same global batch (``--batch-size`` is per process). Re-running the same command resumes.
 With ``--budget-cpu-minutes`` the cosine schedule runs over the process's CPU time spent training
 instead of steps (evaluation excluded): ablations then compare recipes at the same compute, even
 when other work shares the machine.
@@ -39,6 +40,7 @@ from .evaluate import evaluate
 from .features import FeatureStore, features_for_batch, sequence_digests, store_key, store_settings
 from .forward import LossHead, compute_loss
 from .model import make_drafter
+from .ranks import Ranks, sequence_generators
 
 
 def lr_at(progress: float, base: float, warmup: float) -> float:
@@ -151,7 +153,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    device, is_main = accelerator.device, accelerator.is_main_process
+    device, is_main, ranks = accelerator.device, accelerator.is_main_process, Ranks(accelerator.num_processes)
     out = Path(args.out)
     args.checkpoint = out / "checkpoint"
     log_path = out / "log.jsonl"
@@ -175,8 +177,9 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    raw = accelerator.unwrap_model(drafter)
+    ranks.broadcast_parameters(drafter)  # gradients are summed by ranks.sum_gradients, not DDP (training/ranks.py)
+    optimizer = accelerator.prepare(optimizer)
+    raw = drafter
     loss_head = LossHead.of(raw, target, args.loss_vocab)
     eval_head = LossHead.of(raw, target, "draft")  # what generation drafts from
     use_bf16 = args.precision == "bf16" or (args.precision == "auto" and bf16_is_fast(device.type))
@@ -195,14 +198,16 @@ def main(argv=None):
         if not 2 <= args.eval_block_size <= cfg.block_size:
             raise SystemExit(f"--eval-block-size {args.eval_block_size}: use 2..{cfg.block_size} (the drafter's trained block size)")
         raw.config.block_size = args.eval_block_size  # the block is [anchor, mask x (B-1)]: a shorter one is a smaller input
-    if args.eval_only or (is_main and step == 0 and args.init_from and not log_path.exists()):
+    if is_main and (args.eval_only or (step == 0 and args.init_from and not log_path.exists())):
         # a warm start logs where it starts, on ITS dev split, so its learning curve has a baseline
         record = {"step": step, "tokens_seen": tokens_seen, "loss": None, "dev": evaluate(raw, target, eval_head, dev, args, device, autocast)}
         if args.eval_only:
             print(json.dumps(record), flush=True)
-            return
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        else:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    if args.eval_only:
+        return
 
     teacher_k = args.teacher_k if args.distill_weight > 0 else 0  # online: a teacher only when distilling
     store = None
@@ -212,12 +217,13 @@ def main(argv=None):
         key = store_key(*settings, train)
         root_dir = Path(args.feature_cache_dir) if args.feature_cache_dir else cache_dir() / "features"
         width = len(cfg.target_layer_ids) * cfg.hidden_size
-        store = FeatureStore(root_dir / f"features-{key}", [len(t) for t, _ in train], width, args.teacher_k,
-                             store_settings(*settings), sequence_digests(train))
-        if is_main:
-            copied = store.seed_from_siblings() if store.fraction_filled < 1 else 0
-            print(f"feature store {store.folder}: {store.fraction_filled:.0%} of {len(train)} sequences filled "
-                  f"({copied} copied from other stores of the same target and settings)", flush=True)
+        with accelerator.main_process_first():  # the main process creates the arrays and copies known rows; then the others open them
+            store = FeatureStore(root_dir / f"features-{key}", [len(t) for t, _ in train], width, args.teacher_k,
+                                 store_settings(*settings), sequence_digests(train))
+            if is_main:
+                copied = store.seed_from_siblings() if store.fraction_filled < 1 else 0
+                print(f"feature store {store.folder}: {store.fraction_filled:.0%} of {len(train)} sequences filled "
+                      f"({copied} copied from other stores of the same target and settings)", flush=True)
 
     def batch_features(idx):
         return features_for_batch(store, idx, train, target, cfg, device, autocast, args.pad_id, loss_head, teacher_k)
@@ -225,12 +231,12 @@ def main(argv=None):
     if args.fill_features_only:
         if store is None:
             raise SystemExit("--fill-features-only needs --feature-cache disk")
-        order = sorted(store.missing(range(len(train))), key=lambda i: len(train[i][0]))
-        for start in tqdm(range(0, len(order), args.batch_size * 2), desc="filling feature store", unit="batch"):
+        order = sorted(store.missing(range(len(train))), key=lambda i: len(train[i][0]))[accelerator.process_index :: ranks.world]
+        for start in tqdm(range(0, len(order), args.batch_size * 2), desc="filling feature store", unit="batch", disable=not is_main):
             batch_features(order[start : start + args.batch_size * 2])
             if start % (args.batch_size * 2 * 50) == 0:
-                store.flush()
-        store.flush()
+                store.flush(write_marks=is_main)
+        store.flush(ranks.any, write_marks=is_main)  # every rank's sequences marked filled
         return
 
     budget_s = args.budget_cpu_minutes * 60 if args.budget_cpu_minutes else None
@@ -252,29 +258,34 @@ def main(argv=None):
         idx = batch_indices(train_lengths, args.batch_size, step, args.seed, accelerator.process_index, accelerator.num_processes,
                             args.length_bucket)
         tokens, lengths, prompt_lengths = collate([train[i] for i in idx], args.pad_id)
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 64 + accelerator.process_index)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress(), args.lr, args.warmup)
         features, teacher = batch_features(idx)
         teacher = teacher if args.distill_weight > 0 else None
         with autocast():
             loss, metrics = compute_loss(drafter, target, loss_head, (tokens.to(device), lengths, prompt_lengths), features,
-                                         generator, args, teacher)
+                                         sequence_generators(args.seed, step, idx), args, teacher, sum_over_ranks=ranks.sum)
         accelerator.backward(loss)
+        ranks.sum_gradients(drafter.parameters())
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        tokens_seen += int(lengths.sum()) * accelerator.num_processes
-        positions += int(torch.clamp(lengths - prompt_lengths, max=args.blocks_per_seq).sum()) * (cfg.block_size - 1)
-        elapsed = time.process_time() - t0
+        # over all ranks, in one all-reduce: CPU time (the schedule follows the ranks' mean), tokens, block positions, loss terms
+        names = sorted(metrics)
+        local = [time.process_time() - t0, int(lengths.sum()), int(torch.clamp(lengths - prompt_lengths, max=args.blocks_per_seq).sum())
+                 * (cfg.block_size - 1), float(loss.detach())] + [metrics[k] for k in names]
+        summed = ranks.sum(torch.tensor(local, dtype=torch.float64)).tolist()
+        elapsed, tokens_seen, positions = summed[0] / ranks.world, tokens_seen + int(summed[1]), positions + int(summed[2])
+        loss = summed[3]  # each rank's terms are shares of the global batch's mean: their sum is that mean
+        metrics = {k: v / ranks.world if k == "topk_coverage" else v for k, v in zip(names, summed[4:])}
         spent += elapsed
         bar.update(1 if budget_s is None else min(elapsed, max(bar.total - bar.n, 0)))
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ce=f"{metrics['ce']:.3f}")
+        bar.set_postfix(loss=f"{loss:.3f}", ce=f"{metrics['ce']:.3f}")
         done = (spent >= budget_s) if budget_s else (step == stop)
         if is_main and (step % args.eval_every == 0 or done):
             record = {"step": step, "tokens_seen": tokens_seen, "train_cpu_seconds": spent, "block_positions": positions,
-                      "loss": float(loss.detach()), **metrics, "grad_norm": float(grad_norm), "lr": optimizer.param_groups[0]["lr"],
+                      "loss": loss, **metrics, "grad_norm": float(grad_norm), "lr": optimizer.param_groups[0]["lr"],
                       "dev": evaluate(raw, target, eval_head, dev, args, device, autocast)}
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -282,10 +293,11 @@ def main(argv=None):
             tqdm.write(f"step {step} ({spent / 60:.1f} CPU-min, {positions / max(spent, 1e-9):.0f} positions per CPU-s): loss {record['loss']:.3f} | "
                        f"dev on-policy acceptance {dv.get('on_policy_acceptance_length_selector', dv['on_policy_acceptance_length_argmax']):.2f}"
                        f" | top1 pos1 {dv['top1_per_position'][0]:.2f} pos{cfg.block_size - 1} {dv['top1_per_position'][-1]:.2f}")
-        if is_main and (step % args.save_every == 0 or done):
+        if step % args.save_every == 0 or done:
             if store is not None:
-                store.flush()
-            save_checkpoint(args.checkpoint, drafter, optimizer,
-                            {"step": step, "tokens_seen": tokens_seen, "train_cpu_seconds": spent, "positions": positions}, accelerator)
+                store.flush(ranks.any, write_marks=is_main)  # every rank's new rows marked filled
+            if is_main:
+                save_checkpoint(args.checkpoint, drafter, optimizer,
+                                {"step": step, "tokens_seen": tokens_seen, "train_cpu_seconds": spent, "positions": positions}, accelerator)
         accelerator.wait_for_everyone()
     bar.close()

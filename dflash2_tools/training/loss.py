@@ -38,7 +38,7 @@ def position_weights(block_size: int, gamma: float | None = None, device=None) -
 
 
 def sample_anchors(
-    lengths: torch.Tensor, prompt_lengths: torch.Tensor, n_blocks: int, generator: torch.Generator
+    lengths: torch.Tensor, prompt_lengths: torch.Tensor, n_blocks: int, generator: torch.Generator | list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors from response tokens: a in [prompt_len - 1, len - 2] (the block must predict >= 1 token).
 
@@ -46,6 +46,7 @@ def sample_anchors(
     Returns anchors [b, n_blocks] (distinct where possible) and valid [b, n_blocks] (False = padding block).
     """
     b = lengths.shape[0]
+    generators = generator if isinstance(generator, (list, tuple)) else [generator] * b  # one per sequence, or shared
     anchors = torch.zeros(b, n_blocks, dtype=torch.long)
     valid = torch.zeros(b, n_blocks, dtype=torch.bool)
     for i in range(b):
@@ -54,7 +55,7 @@ def sample_anchors(
         if hi < lo:
             continue
         span = hi - lo + 1
-        pick = torch.randperm(span, generator=generator)[:n_blocks] + lo
+        pick = torch.randperm(span, generator=generators[i])[:n_blocks] + lo
         anchors[i, : len(pick)] = pick.sort().values
         valid[i, : len(pick)] = True
     return anchors, valid
@@ -91,12 +92,19 @@ def label_columns(labels: torch.Tensor, columns: torch.Tensor | None) -> torch.T
     return torch.where(labels == IGNORE, labels, columns[labels.clamp(min=0)])
 
 
-def block_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_mean(values: torch.Tensor, w: torch.Tensor, sum_over_ranks=None) -> torch.Tensor:
+    """sum(values * w) / sum(w); with ``sum_over_ranks`` the denominator is the weight of every rank's batch, so the
+    ranks' terms add up to the global batch's mean (training/ranks.py)."""
+    total = w.sum() if sum_over_ranks is None else sum_over_ranks(w.sum())
+    return (values * w).sum() / total.clamp(min=1e-8)
+
+
+def block_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, sum_over_ranks=None) -> torch.Tensor:
     """logits [b, n, B-1, V], labels (columns) [b, n, B-1], weights [B-1] or [b, n, B-1] -> weighted mean CE."""
     ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
     ce = ce.view(labels.shape)  # [b, n, B-1]
     w = _weights(weights, labels) * (labels != IGNORE)  # [b, n, B-1]
-    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+    return weighted_mean(ce, w, sum_over_ranks)
 
 
 def _weights(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,7 @@ def teacher_at_blocks(teacher: torch.Tensor, anchors: torch.Tensor, block_size: 
     return teacher.gather(1, pos.view(b, -1, 1).expand(-1, -1, k)).view(b, n, block_size - 1, k)  # [b, n, B-1, k]
 
 
-def distillation_cross_entropy(logits, teacher_logp, teacher_cols, valid, weights) -> torch.Tensor:
+def distillation_cross_entropy(logits, teacher_logp, teacher_cols, valid, weights, sum_over_ranks=None) -> torch.Tensor:
     """H(p, q) of the drafter's q against the target's top-k p (renormalised over the k), weighted mean.
 
     logits [b, n, B-1, V]; teacher_logp / teacher_cols [b, n, B-1, k]; valid [b, n, B-1] bool.
@@ -123,7 +131,7 @@ def distillation_cross_entropy(logits, teacher_logp, teacher_cols, valid, weight
     log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, teacher_cols)  # [b, n, B-1, k]
     ce = -(p * log_q).sum(-1)  # [b, n, B-1]
     w = _weights(weights, ce) * valid
-    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+    return weighted_mean(ce, w, sum_over_ranks)
 
 
 def chain_weights(logits: torch.Tensor, labels: torch.Tensor, decay: torch.Tensor, floor: float) -> torch.Tensor:
@@ -140,7 +148,7 @@ def chain_weights(logits: torch.Tensor, labels: torch.Tensor, decay: torch.Tenso
 
 def selector_cross_entropy(
     selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-    vocab_ids: torch.Tensor | None = None,
+    vocab_ids: torch.Tensor | None = None, sum_over_ranks=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selector term: S_k over the top-K with the predecessor teacher-forced to the true token.
 
@@ -160,7 +168,7 @@ def selector_cross_entropy(
     ce = F.cross_entropy(scores.flatten(0, 2), target.flatten(), reduction="none").view(labels.shape)
     w = _weights(weights, ce) * in_top
     covered = in_top.sum() / (labels != IGNORE).sum().clamp(min=1)
-    return (ce * w).sum() / w.sum().clamp(min=1e-8), covered
+    return weighted_mean(ce, w, sum_over_ranks), covered
 
 
 def acceptance_lengths(draft_tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
