@@ -64,7 +64,6 @@ def main(argv=None):
 
     n_spec = spec.shape[1] - inputs["input_ids"].shape[1]
     n_plain = plain.shape[1] - inputs["input_ids"].shape[1]
-    same = torch.equal(spec, plain)
     print("\n" + "-" * 60)
     print(f"target alone : {n_plain / t_plain:6.1f} tok/s ({n_plain} tokens, {t_plain:.2f} s)")
     print(f"DFlash 2     : {n_spec / t_spec:6.1f} tok/s ({n_spec} tokens, {t_spec:.2f} s)")
