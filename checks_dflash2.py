@@ -1,4 +1,5 @@
-"""What a DFlash 2 call checks before it runs: the transformers version, the target-drafter pairing, placement.
+"""What a DFlash 2 call checks before it runs: the transformers version, the target-drafter pairing, placement, and
+the generation knobs it reads (draft length, n-gram continuation).
 
 Each check raises one clear error that names the problem and the fix; nothing here runs a forward.
 """
@@ -81,3 +82,34 @@ def check_placement(target, drafter) -> None:
             f"drafter dtype {d_param.dtype} != target dtype {t_dtype}: load the drafter with "
             f"dtype=target.dtype or call drafter.to(target.dtype)"
         )
+
+
+def draft_length_policy(generation_config, block_size: int) -> tuple[int, bool]:
+    """(tokens verified per step, adapt it?) from transformers' ``num_assistant_tokens`` knobs: the drafter drafts its
+    whole block, the first ``num_assistant_tokens`` (at most ``block_size - 1``) are verified (a CPU pays per verified
+    token); ``num_assistant_tokens_schedule="heuristic"`` adapts it per row during a call, as transformers does."""
+    n = generation_config.num_assistant_tokens
+    if n is None:
+        n = block_size - 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_assistant_tokens must be an integer >= 1 (got {n!r}); DFlash 2 verifies at most block_size - 1 = {block_size - 1}")
+    schedule = generation_config.num_assistant_tokens_schedule or "constant"
+    if schedule not in ("constant", "heuristic", "heuristic_transient"):
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not one of 'constant', 'heuristic', 'heuristic_transient'")
+    return min(n, block_size - 1), schedule != "constant"
+
+
+def ngram_policy(generation_config, config) -> tuple[int, int, int]:
+    """(continuation length, min n, max n) of the hybrid n-gram proposer (length 0: off): transformers' prompt-lookup
+    knobs passed with ``assistant_model=drafter`` (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``), else the
+    drafter config's ``hybrid_ngram`` (defaults: configuration_dflash2.HYBRID_NGRAM_DEFAULTS)."""
+    settings = config.hybrid_settings()
+    num_tokens, max_n = settings["num_tokens"], settings["max_n"]
+    if generation_config.prompt_lookup_num_tokens is not None:
+        num_tokens = generation_config.prompt_lookup_num_tokens
+    if generation_config.max_matching_ngram_size is not None:
+        max_n = generation_config.max_matching_ngram_size
+    for name, value, low in (("prompt_lookup_num_tokens", num_tokens, 0), ("max_matching_ngram_size", max_n, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low} with a DFlash 2 drafter (0 turns the n-gram proposer off), got {value!r}")
+    return num_tokens, min(settings["min_n"], max_n), max_n

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 
-from .checks_dflash2 import check_compatible
+from .checks_dflash2 import check_compatible, draft_length_policy, ngram_policy
 from .costs_dflash2 import batch_costs, rule_costs
 from .holes_dflash2 import compact, crop_tail, positions_from_mask, select_rows, should_compact
 from .ngram_dflash2 import (HybridRule, NgramIndex, NgramMatch, PathProposal, Proposal, batch_length, copy_beats_tree, cut,
@@ -63,21 +63,6 @@ class Draft:
     confidence: torch.Tensor | None = None  # [b, n] the proposal's own probability of each token (temperature 1)
 
 
-def draft_length_policy(generation_config, block_size: int) -> tuple[int, bool]:
-    """(tokens verified per step, adapt it?) from transformers' ``num_assistant_tokens`` knobs: the drafter drafts its
-    whole block, the first ``num_assistant_tokens`` (at most ``block_size - 1``) are verified (a CPU pays per verified
-    token); ``num_assistant_tokens_schedule="heuristic"`` adapts it per row during a call, as transformers does."""
-    n = generation_config.num_assistant_tokens
-    if n is None:
-        n = block_size - 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_assistant_tokens must be an integer >= 1 (got {n!r}); DFlash 2 verifies at most block_size - 1 = {block_size - 1}")
-    schedule = generation_config.num_assistant_tokens_schedule or "constant"
-    if schedule not in ("constant", "heuristic", "heuristic_transient"):
-        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not one of 'constant', 'heuristic', 'heuristic_transient'")
-    return min(n, block_size - 1), schedule != "constant"
-
-
 def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float, generator=None) -> Draft:
     """Drafter hiddens at drafted positions ([b, n, H]) -> proposed tokens: with a selector, top-K + its walk (q =
     softmax(S/T) over the candidates); without, argmax or a sample from softmax(logits/T). With a ``DraftVocabHead``
@@ -100,22 +85,6 @@ def propose(drafter, lm_head, hidden: torch.Tensor, anchor: torch.Tensor, temper
         return Draft(tokens, log_q, confidence)
     confidence, tokens = logits.softmax(-1).max(dim=-1)  # [b, n] each
     return Draft(tokens if vocab_ids is None else vocab_ids[tokens], None, confidence)
-
-
-def ngram_policy(generation_config, config) -> tuple[int, int, int]:
-    """(continuation length, min n, max n) of the hybrid n-gram proposer (length 0: off): transformers' prompt-lookup
-    knobs passed with ``assistant_model=drafter`` (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``), else the
-    drafter config's ``hybrid_ngram`` (defaults: configuration_dflash2.HYBRID_NGRAM_DEFAULTS)."""
-    settings = config.hybrid_settings()
-    num_tokens, max_n = settings["num_tokens"], settings["max_n"]
-    if generation_config.prompt_lookup_num_tokens is not None:
-        num_tokens = generation_config.prompt_lookup_num_tokens
-    if generation_config.max_matching_ngram_size is not None:
-        max_n = generation_config.max_matching_ngram_size
-    for name, value, low in (("prompt_lookup_num_tokens", num_tokens, 0), ("max_matching_ngram_size", max_n, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low} with a DFlash 2 drafter (0 turns the n-gram proposer off), got {value!r}")
-    return num_tokens, min(settings["min_n"], max_n), max_n
 
 
 class Proposer:
@@ -397,4 +366,4 @@ class Proposer:
         self.stats.forwards += 1
 
 
-__all__ = ["Draft", "Proposer", "context_features", "draft_length_policy", "ngram_policy", "propose", "reduce_streams"]
+__all__ = ["Draft", "Proposer", "context_features", "propose", "reduce_streams"]

@@ -69,9 +69,9 @@ def run(args) -> dict:
         drafter.suffix_index = SuffixIndex() if method == "plain-noindex" else None
         run_method("dflash2+ngram" if method.startswith("plain") else method, target, drafter, warm, dict(do_sample=False, max_new_tokens=16), counter)
     rows, answers = [], {}
-    bar = tqdm(total=sum(len(v) * len(METHODS if k == "repetitive" else HELD_OUT_METHODS) for k, v in sets.items()), desc="bench_suffix", unit="call")
+    bar = tqdm(total=sum(len(v) * len(args.methods if k == "repetitive" else HELD_OUT_METHODS) for k, v in sets.items()), desc="bench_suffix", unit="call")
     for set_name, records in sets.items():
-        methods = METHODS if set_name == "repetitive" else HELD_OUT_METHODS
+        methods = args.methods if set_name == "repetitive" else HELD_OUT_METHODS
         if set_name != "repetitive":
             indexes["plain-warm"] = SuffixIndex()  # each held-out set learns from its own earlier prompts only
         for rec in records:
@@ -191,6 +191,8 @@ def main(argv=None):
     ap.add_argument("--target", default=EMBEDDED_TARGET)
     ap.add_argument("--drafter", default=str(root.REPO_ROOT))
     ap.add_argument("--limit", type=int, default=48, help="requests of the repetitive workload (in order)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                    help="methods on the repetitive workload (target first: the others are compared with it)")
     ap.add_argument("--sets", nargs="*", default=[], help="held-out sets too: humaneval champ sharegpt-dev")
     ap.add_argument("--held-out-limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -201,6 +203,8 @@ def main(argv=None):
     ap.add_argument("--index-scaling", nargs="*", type=int, default=None,
                     help="only time lookups at these index sizes (e.g. 10000 100000 1000000 10000000)")
     args = ap.parse_args(argv)
+    if args.methods[0] != "target":
+        ap.error("--methods must start with target (every output is checked against it)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.index_scaling is not None:

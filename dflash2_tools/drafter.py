@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the root modules a drafter folder needs (what save_pretrained copies next to the weights)
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "generation_dflash2.py", "accept_dflash2.py",
+REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py", "layers_dflash2.py", "generation_dflash2.py", "accept_dflash2.py",
                      "attention_dflash2.py", "checks_dflash2.py", "costs_dflash2.py", "holes_dflash2.py",
                      "devices_dflash2.py", "loop_dflash2.py", "ngram_dflash2.py", "proposer_dflash2.py", "rollback_dflash2.py",
                      "selector_dflash2.py", "stats_dflash2.py", "suffix_dflash2.py", "tree_dflash2.py")
