@@ -55,16 +55,18 @@ def kept_first(cache, start: int, paths: list[list[int]], kept: int) -> torch.Te
         return None
     index = torch.tensor(order)  # [b, K]
     absolute = index + start  # [b, K] the slots to read
+    expanded = {}  # (device, shape) -> the gather index [b, h, K, d]: built once, not once per layer
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        slots = absolute.to(layer.keys.device)  # a no-op unless the target is sharded
         for name in ("keys", "values"):
             tensor = getattr(layer, name)  # [b, h, T, d]
-            if len(order) == 1:  # one row: a plain index_select (no expanded index)
-                moved = tensor.index_select(2, slots[0])  # [1, h, K, d]
-            else:
-                moved = tensor.gather(2, slots[:, None, :, None].expand(*tensor.shape[:2], kept, tensor.shape[-1]))  # [b, h, K, d]
+            key = (tensor.device, tensor.shape[1], tensor.shape[3])
+            if key not in expanded:  # the device differs only for a sharded target
+                slots = absolute.to(tensor.device)
+                expanded[key] = slots[0] if len(order) == 1 else slots[:, None, :, None].expand(*tensor.shape[:2], kept, tensor.shape[-1])
+            # one row: a plain index_select [1, h, K, d]; else a gather [b, h, K, d]
+            moved = tensor.index_select(2, expanded[key]) if len(order) == 1 else tensor.gather(2, expanded[key])
             tensor[:, :, start : start + kept] = moved
     return index
 

@@ -253,8 +253,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         else:
             if budget or slots is not None:  # each row's tree (a chain is one): its context (holes masked), its ancestors
                 key_length = slots if slots is not None else start + n_rows
-                mask = torch.cat([tree_attention_mask(tree, kv_mask[i], target.dtype, key_length, n_rows)
-                                  for i, tree in enumerate(trees)])  # [b, 1, W, key_length]
+                mask = tree_attention_mask(trees, kv_mask, target.dtype, key_length, n_rows)  # [b, 1, W, key_length]
             else:  # chains: the target's causal mask over the step's slots, holes masked
                 mask = torch.cat([kv_mask, kv_mask.new_ones(len(active), width)], 1)  # [b, T + W]
             with verification_attention(target):  # packed GQA heads: no copy of the whole cache per layer under the mask

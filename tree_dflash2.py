@@ -54,9 +54,9 @@ class TokenTree:
             out.append(out[self.parents[i]] + [self.tokens[i]])
         return out
 
-    def ancestor_mask(self, size: int | None = None) -> torch.Tensor:
-        """[size, size] bool (size: the nodes by default): node i sees node j iff j is i or one of its ancestors;
-        a padding row past the nodes sees only itself. Built on the host, one tensor."""
+    def ancestor_mask(self, size: int | None = None) -> list[list[bool]]:
+        """[size, size] bool, as host lists (size: the nodes by default): node i sees node j iff j is i or one of its
+        ancestors; a padding row past the nodes sees only itself."""
         n = len(self)
         size = n if size is None else size
         rows = []
@@ -64,7 +64,7 @@ class TokenTree:
             row = list(rows[self.parents[i]]) if i < n and self.parents[i] >= 0 else [False] * size
             row[i] = True
             rows.append(row)
-        return torch.tensor(rows)
+        return rows
 
 
 def root_tree(anchor: int) -> TokenTree:
@@ -146,21 +146,25 @@ def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[l
     return tree
 
 
-def tree_attention_mask(tree: TokenTree, past_mask: torch.Tensor, dtype, key_length: int | None = None,
-                        n_rows: int | None = None) -> torch.Tensor:
-    """Additive 4D mask [1, 1, n_rows, key_length]: the committed context (its own padding mask) and ancestors.
+def tree_attention_mask(trees, past_mask: torch.Tensor, dtype, key_length: int | None = None, n_rows: int | None = None) -> torch.Tensor:
+    """Additive 4D mask [b, 1, n_rows, key_length] for the trees of b rows (one ``TokenTree``: b = 1): each row's
+    committed context (``past_mask`` [b, past] or [past], its own padding mask) and each node's ancestors.
 
     ``key_length`` (default past + n_rows): a static cache attends over all its slots; those after the tree are masked.
-    ``n_rows`` (default: the tree's nodes) pads the forward to a fixed size: a padding row sees only itself, and no
-    real node sees a padding row."""
-    n, past = len(tree), past_mask.shape[0]
-    rows = n if n_rows is None else n_rows
+    ``n_rows`` (default: the largest tree's nodes) pads the forward to a fixed size: a padding row sees only itself,
+    and no real node sees a padding row. Built on the host as lists: two tensors whatever the batch."""
+    trees = [trees] if isinstance(trees, TokenTree) else trees
+    past_mask = past_mask.view(len(trees), -1)  # [b, past]
+    past = past_mask.shape[1]
+    rows = max(len(tree) for tree in trees) if n_rows is None else n_rows
     keys = past + rows if key_length is None else key_length
-    allowed = torch.zeros(rows, keys, dtype=torch.bool, device=past_mask.device)  # [rows, keys]: stale slots masked
-    allowed[:n, :past] = past_mask.bool()  # the context, as the row's own mask has it (padding rows: none)
-    allowed[:, past : past + rows] = tree.ancestor_mask(rows).to(past_mask.device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=past_mask.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    device = past_mask.device
+    real = torch.tensor([[i < len(tree) for i in range(rows)] for tree in trees], device=device)  # [b, rows]
+    allowed = torch.zeros(len(trees), rows, keys, dtype=torch.bool, device=device)  # [b, rows, keys]: stale slots masked
+    allowed[:, :, :past] = past_mask.bool()[:, None, :] & real[:, :, None]  # the context (padding rows: none)
+    allowed[:, :, past : past + rows] = torch.tensor([tree.ancestor_mask(rows) for tree in trees], device=device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def static_cache_length(cache) -> int | None:

@@ -77,11 +77,21 @@ def test_ancestor_mask_and_tree_attention_mask(tree_module):
     a = tree.add(1, 0)
     b = tree.add(2, 0)
     c = tree.add(3, a)
-    mask = tree.ancestor_mask()
+    mask = torch.tensor(tree.ancestor_mask())
     assert mask[c].tolist() == [True, True, False, True] and mask[b].tolist() == [True, False, True, False]
     full = tree_module.tree_attention_mask(tree, torch.tensor([1, 0, 1]), torch.float32)[0, 0]  # [N, 3 + N]
     assert (full[:, 1] < -1e30).all() and (full[:, [0, 2]] == 0).all()  # the context's own padding stays masked
     assert ((full[:, 3:] == 0) == mask).all()
+    # a batch: each row's own context mask and tree, padded to 6 rows over 10 keys (a static cache's stale slots)
+    chain = tree_module.add_branch(tree_module.root_tree(9), [4, 4])
+    past = torch.tensor([[1, 0, 1], [0, 1, 1]])
+    batch = tree_module.tree_attention_mask([tree, chain], past, torch.float32, key_length=10, n_rows=6)  # [2, 1, 6, 10]
+    assert batch.shape == (2, 1, 6, 10)
+    for row, (t, context) in enumerate(zip([tree, chain], past)):
+        allowed = batch[row, 0] == 0  # [6, 10]
+        n = len(t)
+        assert (allowed[:n, :3] == context.bool()).all() and not allowed[n:, :3].any()  # padding rows: no context
+        assert (allowed[:, 3:9] == torch.tensor(t.ancestor_mask(6))).all() and not allowed[:, 9].any()
 
 
 def test_cache_keeps_the_accepted_path_in_order(tree_module):

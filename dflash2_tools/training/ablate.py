@@ -39,6 +39,8 @@ LEVERS = {  # issue 41's next levers, each against the current recipe at the sam
     "4 layers": RECIPE + ["--layers", "4"],
     "5 layers": RECIPE + ["--layers", "5"],
     "256-token responses": RECIPE + ["--max-response-tokens", "256"],  # run on 256-token data: --data with those folders
+    # the same prompts' responses sampled at T=0.8 (what users who sample see), then the greedy folder for the rest
+    "sampled responses (T=0.8)": RECIPE + ["--data", "data/smollm2-sharegpt-fp32-128-t08", *DATA],
 }
 
 
@@ -69,23 +71,26 @@ def main(argv=None):
     if cli.feature_cache_dir:
         common += ["--feature-cache-dir", cli.feature_cache_dir]
     out = Path(cli.out)
-    runs = {name: flags for name, flags in (LEVERS if cli.levers else RUNS).items() if not cli.only or name in cli.only}
+    every = LEVERS if cli.levers else RUNS
+    runs = {name: flags for name, flags in every.items() if not cli.only or name in cli.only}
     t0 = time.time()
-    # the stores every stored run reads, filled before the runs: one per response length a run trains on
-    lengths = {tuple(flags[i : i + 2]) for flags in runs.values() for i, f in enumerate(flags) if f == "--max-response-tokens"}
-    for length in [()] + sorted(lengths):
-        train_main(common + FAST + list(length) + ["--out", str(out / "fill"), "--fill-features-only"])
+    # the stores the runs read, filled before them (one per data and response length: a fill of a full store is a no-op)
+    for flags in runs.values():
+        if "online" not in flags:
+            train_main(common + FAST + flags + ["--out", str(out / "fill"), "--fill-features-only"])
     fills = {"features and teacher": time.time() - t0}
     print(f"feature stores ready in {fills['features and teacher']:.0f} s (wall, including the target load)", flush=True)
     results = {}
-    for name, flags in runs.items():
+    for name, flags in every.items():  # the table holds every finished run in OUT; --only trains just those named
         run = out / slug(name)
         log = run / "log.jsonl"
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         done = records and (records[-1]["step"] >= cli.steps if cli.steps else records[-1].get("train_cpu_seconds", 0) >= cli.budget_cpu_minutes * 60)
-        if not done:
+        if not done and name in runs:
             train_main(common + flags + ["--out", str(run)])
             records = [json.loads(line) for line in log.read_text().splitlines()]
+        elif not done:
+            continue
         last = records[-1]
         results[name] = {"flags": flags, "steps": last["step"], "block_positions": last["block_positions"],
                          "train_cpu_seconds": last["train_cpu_seconds"], "dev": last["dev"]}

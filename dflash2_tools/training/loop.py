@@ -153,7 +153,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    device, is_main, ranks = accelerator.device, accelerator.is_main_process, Ranks(accelerator.num_processes)
+    device, is_main, ranks = accelerator.device, accelerator.is_main_process, Ranks(accelerator.num_processes, accelerator.device)
     out = Path(args.out)
     args.checkpoint = out / "checkpoint"
     log_path = out / "log.jsonl"

@@ -29,10 +29,11 @@ def sequence_generators(seed: int, step: int, idx: list[int]) -> list[torch.Gene
 
 
 class Ranks:
-    """The collectives of a training step, for ``world`` processes (no-ops for one)."""
+    """The collectives of a training step, for ``world`` processes (no-ops for one). ``device``: where a collective's
+    tensors must sit (NCCL takes GPU tensors only; gloo, CPU ones); results come back where their input was."""
 
-    def __init__(self, world: int):
-        self.world = world
+    def __init__(self, world: int, device: torch.device | str = "cpu"):
+        self.world, self.device = world, torch.device(device)
         if world > 1 and not dist.is_initialized():
             raise RuntimeError(f"{world} processes but no process group: launch with accelerate launch / torchrun")
 
@@ -40,9 +41,9 @@ class Ranks:
         """``value`` summed over ranks (a new tensor; gradients do not flow through it)."""
         if self.world == 1:
             return value.detach()
-        total = value.detach().clone()
+        total = value.detach().to(self.device, copy=True)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total
+        return total.to(value.device)
 
     def sum_gradients(self, parameters) -> None:
         """Every parameter's gradient summed over ranks (a missing gradient counts as zeros)."""
