@@ -26,7 +26,7 @@ from .checks_dflash2 import check_compatible, draft_length_policy, ngram_policy
 from .costs_dflash2 import batch_costs, rule_costs
 from .holes_dflash2 import compact, crop_tail, positions_from_mask, select_rows, should_compact
 from .ngram_dflash2 import (HybridRule, NgramIndex, NgramMatch, PathProposal, Proposal, batch_length, copy_beats_tree, cut,
-                            draft_pays, suffix_match)
+                            draft_pays, suffix_match, tree_branch_length)
 from .stats_dflash2 import STATS_SINK, TRACE_SINK, DFlash2Stats
 from .selector_dflash2 import lattice_lists, lattice_table
 from .tree_dflash2 import add_branch, root_tree, tree_prior, tree_with_branch
@@ -318,9 +318,11 @@ class Proposer:
         self.step_copies, self.step_tree_prior = [None] * rows, [None] * rows
         matches = self.copied_matches(limits)
         prior = tree_prior(self.rules[0].drafter_acceptance, self.config.block_size, budget)  # the calibration, as the rules hold it
+        branch = self.ngram_tokens
         if self.trace is None and any(matches):  # the copies alone, without a drafter forward, when they promise more
             tree_tokens = [1.0 + prior * rule.factor("tree") for rule in self.rules]
             length = copy_beats_tree(self.rules, matches, tree_tokens, budget, self.costs)
+            branch = tree_branch_length(self.rules, matches, tree_tokens, budget, self.costs)  # else: as much as pays
             if length:
                 self.step_copies = [PathProposal(Proposal(m.proposer, min(length, len(m.tokens))), self.rules[i].ngram_rates(m),
                                                  m.tokens[:length]) if m else PathProposal(Proposal("none", 0), [], [])
@@ -335,7 +337,7 @@ class Proposer:
         trees = []
         for i in range(len(anchors)):
             candidates, log_probs = lattice_lists(host[i])
-            trees.append(tree_with_branch(anchors[i], candidates, log_probs, budget, limits[i], self.ngram_tokens,
+            trees.append(tree_with_branch(anchors[i], candidates, log_probs, budget, limits[i], branch,
                                           None if self.ngrams is None else lambda n, i=i: self.copies(i, n), max_nodes))
         self.stats.draft_seconds += time.perf_counter() - t0
         return trees

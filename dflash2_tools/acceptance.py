@@ -5,7 +5,8 @@
 For every prompt: ``target.generate(**chat, assistant_model=drafter, do_sample=False,
 max_new_tokens=N, prompt_lookup_num_tokens=0)`` with every drafted token verified; the mean acceptance length is tokens committed per draft-verify target
 forward, pooled over all steps of all prompts (and the per-prompt median). Greedy outputs are
-checked against the target alone when ``--check`` is given (use fp32 for an exact check).
+checked against the target alone when ``--check`` is given (use fp32 for an exact check). ``--temperature T``
+samples instead (exact speculative sampling, T > 0, a fixed seed per prompt): the acceptance of users who sample.
 
     python -m dflash2_tools.acceptance --tree-budgets 0 4 8 16 32 --cost docs/tree/cost_fp32_avx2.json
 
@@ -33,7 +34,7 @@ from .target import EMBEDDED_TARGET, load_target
 WHOLE_BLOCK = {"costs": {"multi_token_step": 0.0, "per_token": 0.0, "draft": 0.0}}  # the drafter's quality, not the rule's
 
 
-def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False, tree_budget=None):
+def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False, tree_budget=None, temperature=0.0):
     """The block draft alone, every drafted token verified (``prompt_lookup_num_tokens=0`` and a
     cost-free rule): tokens per target forward is then the drafter's acceptance, whatever the
     machine's cost model would choose."""
@@ -42,19 +43,21 @@ def measure(target, tokenizer, drafter, records, max_new_tokens=128, check=False
     drafter.config.hybrid_ngram = {**(drafter.config.hybrid_ngram or {}), **WHOLE_BLOCK}
     drafter.config.tree_budget = tree_budget or None
     try:
-        return _measure(gen, target, tokenizer, drafter, records, max_new_tokens, check)
+        return _measure(gen, target, tokenizer, drafter, records, max_new_tokens, check, temperature)
     finally:
         drafter.config.hybrid_ngram, drafter.config.tree_budget = saved
 
 
-def _measure(gen, target, tokenizer, drafter, records, max_new_tokens, check):
+def _measure(gen, target, tokenizer, drafter, records, max_new_tokens, check, temperature=0.0):
     pooled = gen.DFlash2Stats(block_size=drafter.config.block_size)
     per_prompt, mismatches = [], 0
-    for rec in tqdm(records, desc="acceptance", unit="prompt"):
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    for i, rec in enumerate(tqdm(records, desc="acceptance", unit="prompt")):
         inputs = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out, stats = gen.dflash2_generate(target, drafter, **inputs, do_sample=False, max_new_tokens=max_new_tokens,
+        torch.manual_seed(i)  # the same draws for every drafter compared
+        out, stats = gen.dflash2_generate(target, drafter, **inputs, **sampling, max_new_tokens=max_new_tokens,
                                           prompt_lookup_num_tokens=0)
-        if check and not torch.equal(out, target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)):
+        if check and temperature == 0 and not torch.equal(out, target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)):
             mismatches += 1
         if stats.accept_lengths:
             per_prompt.append(stats.mean_acceptance_length)
@@ -79,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: see precision.py")
     ap.add_argument("--check", action="store_true", help="also compare with target-only greedy output")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     ap.add_argument("--full-vocab", action="store_true", help="draft from the full LM head, ignoring the drafter's draft_vocab_ids")
     ap.add_argument("--tree-budgets", nargs="*", type=int, default=None, help="tree verification at these node budgets (0: one path)")
     ap.add_argument("--cost", default=None, help="a tree_cost JSON: also print each budget's expected speedup")
@@ -91,12 +95,15 @@ def main(argv=None):
     if args.full_vocab:
         drafter.config.draft_vocab_ids = None
     records = load_prompt_set(args.prompt_set)[: args.limit]
+    if args.temperature < 0:
+        ap.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     result = {"prompt_set": args.prompt_set, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "drafter": args.drafter,
+              "temperature": args.temperature,
               "draft_vocab": len(drafter.config.draft_vocab_ids or []) or "full"}
     if args.tree_budgets is None:
-        result.update(measure(target, tokenizer, drafter, records, args.max_new_tokens, args.check))
+        result.update(measure(target, tokenizer, drafter, records, args.max_new_tokens, args.check, temperature=args.temperature))
     else:
-        result["trees"] = [{"budget": b, **measure(target, tokenizer, drafter, records, args.max_new_tokens, args.check, b)}
+        result["trees"] = [{"budget": b, **measure(target, tokenizer, drafter, records, args.max_new_tokens, args.check, b, args.temperature)}
                            for b in args.tree_budgets]
         if args.cost:
             add_expected_speedup(result["trees"], json.loads(open(args.cost).read()), drafter.config.block_size)

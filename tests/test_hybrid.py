@@ -125,6 +125,23 @@ def test_a_tree_step_verifies_the_copies_alone_only_when_they_promise_more():
     assert ngram.copy_beats_tree([rule], [None], [3.0], 8, cpu) == 0
 
 
+def test_a_tree_carries_as_much_of_the_copies_as_pays():
+    """``tree_branch_length``: a likely copy rides along in full, an unsure one that the tree beats anyway is left out
+    (its width is paid by every row) unless verification is free; in a batch a row without a copy still gets its tree, so another row's likely copy
+    is carried (valued over the batch's rows, not by the row that gains least)."""
+    ngram = root._sibling("ngram_dflash2")
+    cpu = ngram.StepCosts(multi_token_step=0.65, per_token=0.035, draft=0.25)
+    rule = ngram.HybridRule([0.0, 0.5, 0.7, 0.9], 1.0, 0.0, [0.8] * 7, cpu)
+    likely = ngram.NgramMatch(list(range(8)), 4, "suffix", [0.97] * 8)
+    unsure = ngram.NgramMatch(list(range(8)), 2, "suffix", [0.4] * 8)
+    assert ngram.tree_branch_length([rule], [likely], [3.0], 4, cpu) == 8
+    assert ngram.tree_branch_length([rule], [unsure], [3.0], 4, cpu) == 0
+    assert ngram.tree_branch_length([rule, rule], [likely, None], [3.0, 3.0], 4, cpu) == 8
+    assert ngram.tree_branch_length([rule, rule], [unsure, None], [3.0, 3.0], 4, cpu) == 0
+    free = ngram.StepCosts(multi_token_step=0.0, per_token=0.0, draft=0.1)
+    assert ngram.tree_branch_length([rule], [unsure], [3.0], 4, free) == 8  # verification free: the whole branch
+
+
 def test_rule_learns_from_this_calls_outcomes():
     ngram = root._sibling("ngram_dflash2")
     cpu = rule(ngram, {"multi_token_step": 0.5, "per_token": 0.1, "draft": 0.25})

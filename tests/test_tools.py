@@ -285,3 +285,27 @@ def test_every_prompt_source_has_a_description_and_the_committed_folders_resume_
     assert len(folders) >= 5
     for meta_path in folders:
         assert unversioned(json.loads(meta_path.read_text())["prompt_set"]) in known, meta_path
+
+
+def test_acceptance_measures_greedy_and_sampled_calls(tmp_path):
+    """``dflash2_tools.acceptance``: the block draft alone through the plain call, greedy (checked against the target)
+    and sampled (``--temperature``: the same seeded draws for every drafter compared)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_drafter, tiny_target
+    from dflash2_tools import acceptance
+    from dflash2_tools.drafter import REPO_ROOT
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the real SmolLM2 tokenizer
+        shutil.copy(REPO_ROOT / name, tmp_path / name)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    target = tiny_target(vocab=49152, layers=3)
+    drafter = tiny_drafter(target)
+    records = [{"messages": [{"role": "user", "content": "hello there, how are you?"}]}]
+    greedy = acceptance.measure(target, tokenizer, drafter, records, max_new_tokens=8, check=True)
+    assert greedy["greedy_mismatches"] == 0 and greedy["mean_acceptance_length"] >= 1.0
+    sampled = [acceptance.measure(target, tokenizer, drafter, records, max_new_tokens=8, temperature=0.8) for _ in range(2)]
+    assert sampled[0]["greedy_mismatches"] is None and sampled[0]["mean_acceptance_length"] >= 1.0
+    assert sampled[0] == sampled[1]  # seeded per prompt: a comparison of drafters sees the same draws
