@@ -223,14 +223,22 @@ def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: 
     batch's cost, against 1 for a plain batched step. (Summing tokens over rows instead, measured on the
     embedded target at batch 8, verified n-gram runs of single rows while the other rows waited: 0.90x of the
     target's batched generate on CHAMP.) Where verification is free (a GPU) every L pays and the longest wins."""
-    best_value, best = -1.0, 0
-    for length in sorted({0} | {len(p.tokens) for p in proposals}):
+    def value(length: int) -> float:
         tokens = min(expected_tokens(p.rates[: min(length, len(p.tokens))], rule.factor(p.choice.proposer) if p.choice and
                                      p.choice.proposer in rule.outcomes else 1.0) for p, rule in zip(proposals, rules))
-        value = tokens / costs.verify(length)
-        free = costs.verify(length) <= costs.verify(best)  # as cheap as the best so far: the longer one can only gain
-        if value > best_value + 1e-9 or (value >= best_value - 1e-9 and free):
-            best_value, best = value, length
+        return tokens / costs.verify(length)
+
+    return best_length(sorted({0} | {len(p.tokens) for p in proposals}), value, costs.verify)
+
+
+def best_length(lengths: list[int], value, cost) -> int:
+    """Of ``lengths`` (ascending), the one of the highest ``value(L)``; a tie goes to the longer one where ``cost(L)``
+    is no higher (verification free: the longer can only gain), else to the shorter."""
+    best, best_value = lengths[0], value(lengths[0])
+    for length in lengths[1:]:
+        v = value(length)
+        if v > best_value + 1e-9 or (v >= best_value - 1e-9 and cost(length) <= cost(best)):
+            best, best_value = length, v
     return best
 
 
@@ -267,6 +275,12 @@ def _copied_rates(rules: list[HybridRule], matches: list) -> tuple[list[list[flo
     return copies, factors
 
 
+def _tree_step_tokens(tree_tokens: list[float], copies: list[list[float]], factors: list[float], length: int) -> list[float]:
+    """Per row, what a tree step carrying its copy's first ``length`` tokens as a branch commits at least: the better of
+    its tree's expected tokens and its copy's (bonus included)."""
+    return [max(t, expected_tokens(rates[:length], f)) for t, rates, f in zip(tree_tokens, copies, factors)]
+
+
 def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[float], tree_nodes: int, costs: StepCosts) -> int:
     """Before a tree step: how many tokens of the rows' copied continuations to verify ALONE (chains, no drafter
     forward), or 0 to draft the tree (which carries those continuations as branches anyway).
@@ -280,7 +294,7 @@ def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[fl
     longest = max(len(rates) for rates in copies)
     if longest == 0:
         return 0
-    union = min(max(t, expected_tokens(rates, f)) for t, rates, f in zip(tree_tokens, copies, factors))
+    union = min(_tree_step_tokens(tree_tokens, copies, factors, longest))
     best_value, best = union / (costs.verify(tree_nodes + longest) + costs.draft), 0
     for length in range(1, longest + 1):
         value = min(expected_tokens(rates[:length], f) for rates, f in zip(copies, factors)) / costs.verify(length)
@@ -302,15 +316,9 @@ def tree_branch_length(rules: list[HybridRule], matches: list, tree_tokens: list
     copies, factors = _copied_rates(rules, matches)
 
     def value(length: int) -> float:
-        union = sum(max(t, expected_tokens(rates[:length], f)) for t, rates, f in zip(tree_tokens, copies, factors))
-        return union / (costs.verify(tree_nodes + length) + costs.draft)
+        return sum(_tree_step_tokens(tree_tokens, copies, factors, length)) / (costs.verify(tree_nodes + length) + costs.draft)
 
-    best, best_value = 0, value(0)
-    for length in range(1, max(len(rates) for rates in copies) + 1):
-        v = value(length)
-        if v > best_value + 1e-9 or (v >= best_value - 1e-9 and costs.verify(tree_nodes + length) <= costs.verify(tree_nodes + best)):
-            best, best_value = length, v
-    return best
+    return best_length(list(range(max(len(rates) for rates in copies) + 1)), value, lambda length: costs.verify(tree_nodes + length))
 
 
 def cut(proposal: PathProposal, length: int) -> PathProposal:

@@ -322,12 +322,12 @@ class Proposer:
         if self.trace is None and any(matches):  # the copies alone, without a drafter forward, when they promise more
             tree_tokens = [1.0 + prior * rule.factor("tree") for rule in self.rules]
             length = copy_beats_tree(self.rules, matches, tree_tokens, budget, self.costs)
-            branch = tree_branch_length(self.rules, matches, tree_tokens, budget, self.costs)  # else: as much as pays
             if length:
                 self.step_copies = [PathProposal(Proposal(m.proposer, min(length, len(m.tokens))), self.rules[i].ngram_rates(m),
                                                  m.tokens[:length]) if m else PathProposal(Proposal("none", 0), [], [])
                                     for i, m in enumerate(matches)]
                 return [add_branch(root_tree(a), p.tokens) for a, p in zip(anchors, self.step_copies)]
+            branch = tree_branch_length(self.rules, matches, tree_tokens, budget, self.costs)  # the tree: as much as pays
         self.step_tree_prior = [None if m else prior for m in matches]
         t0 = time.perf_counter()
         anchor_ids = torch.tensor(anchors, device=self.device)  # [b]
