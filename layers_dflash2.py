@@ -1,4 +1,5 @@
 """The drafter's layers: norm, rotary embedding, KV-injection attention, MLP, the dynamic convolution, a decoder layer.
+The norm, rotary embedding and MLP are Qwen3's own (the official checkpoint's layers are Qwen3's).
 
 Each layer reads ``config`` and its ``layer_idx`` (transformers' modeling style); ``modeling_dflash2`` stacks them.
 Queries come from the block only; keys and values are ``[k_proj(context); k_proj(block)]`` (the target's features
@@ -13,62 +14,25 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv, rotate_half
 
 from .configuration_dflash2 import DFlash2Config
 
 
-class DFlash2RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+class DFlash2RMSNorm(Qwen3RMSNorm):
+    """Qwen3's RMSNorm: ``weight * x / rms(x)``, the statistics in fp32."""
 
 
-class DFlash2RotaryEmbedding(nn.Module):
-    inv_freq: torch.Tensor
-
-    def __init__(self, config: DFlash2Config):
-        super().__init__()
-        self.config = config
-        self.rope_type = config.rope_parameters.get("rope_type", "default")
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        if self.rope_type == "default":
-            inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config)
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+class DFlash2RotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3's rotary embedding (rotate-half, any transformers RoPE type) at the drafter's own positions."""
 
     def compute_inv_freq(self) -> torch.Tensor:
-        if self.rope_type == "default":
-            return self.compute_default_rope_parameters(self.config)[0]
-        return ROPE_INIT_FUNCTIONS[self.rope_type](self.config)[0]
-
-    @staticmethod
-    def compute_default_rope_parameters(config: DFlash2Config, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
-        base = config.rope_parameters["rope_theta"]
-        dim = config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
-        return inv_freq, 1.0
-
-    @torch.no_grad()
-    @dynamic_rope_update
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # [b, t, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [b, t, hd]
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+        """The non-persistent ``inv_freq`` again (``from_pretrained`` builds on meta: ``_init_weights`` refills it)."""
+        init = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        return init(self.config)[0]
 
 
 def is_flash_attention(implementation: str | None) -> bool:
@@ -76,22 +40,9 @@ def is_flash_attention(implementation: str | None) -> bool:
     return implementation is not None and "flash" in implementation
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [b, heads, t, hd]; cos/sin: [b, t, hd] at the true positions of those t tokens."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    b, kv_heads, t, hd = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None].expand(b, kv_heads, n_rep, t, hd)  # [b, kvh, rep, t, hd]
-    return hidden_states.reshape(b, kv_heads * n_rep, t, hd)  # [b, h, t, hd]
 
 
 def eager_attention_forward(
@@ -210,16 +161,11 @@ class DFlash2Attention(nn.Module):
         return self.o_proj(attn_output.reshape(b, q_len, -1))  # [b, q, H]
 
 
-class DFlash2MLP(nn.Module):
-    def __init__(self, config: DFlash2Config, layer_idx: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
+class DFlash2MLP(Qwen3MLP):
+    """Qwen3's gated MLP: ``down(act(gate(x)) * up(x))``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self, config: DFlash2Config, layer_idx: int | None = None):
+        super().__init__(config)
 
 
 class DFlash2DynamicConv(nn.Module):

@@ -33,7 +33,7 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from .accept_dflash2 import accepted_path, process_tree, target_choices
+from .accept_dflash2 import accepted_path, first_argmax, process_tree, target_choices
 from .attention_dflash2 import verification_attention
 from .holes_dflash2 import compact, crop_tail, kept_first, kept_mask, positions_from_mask, select_rows, should_compact
 from .proposer_dflash2 import Proposer
@@ -267,7 +267,7 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         # 3. accept, per row, from the target's choice after every node: ONE transfer for the batch
         if greedy_argmax:
             node_logits = logits  # [b, W, V]
-            choices = torch.max(logits, -1).indices.tolist()  # [b][W]: argmax's first maximum, faster on CPU
+            choices = first_argmax(logits).tolist()  # [b][W]
         else:
             node_logits = [process_tree(logits[i, : len(tree)], tree, host_ids[r] + generated[r], r, rows, logits_processor)
                            for i, (r, tree) in enumerate(zip(active, trees))]  # b x [N_i, V]

@@ -1,14 +1,11 @@
-"""Hybrid drafting: a prompt-lookup (n-gram) proposer beside the DFlash 2 block draft.
+"""Hybrid drafting: copied continuations (prompt lookup, the suffix index) beside the DFlash 2 block draft, and the
+rule that picks what a step verifies.
 
-Small models repeat themselves, code and math quote their prompts: there an n-gram match over the prompt and the
-generated text predicts long runs for free, exactly where the drafter is weakest (text copied from far back); where
-the text is new there is no match and the block draft stands. Each step the n-gram index is extended with the
-committed tokens (a dict from each n-gram to the end of its latest earlier occurrence), the context's last n tokens
-are looked up (n from ``max_n`` down to ``min_n``), and ``HybridRule`` verifies the proposal prefix with the most
-expected tokens per unit of verification cost, the acceptance of each estimated from the drafter's confidences and
-the match length (calibrated: ``python -m dflash2_tools.calibrate_hybrid``); when the n-gram beats even a fully
-confident draft, the drafter forward is skipped. The rule reads only the committed context and this step's draft,
-so q (a point mass on an n-gram token, the selector's softmax on a drafted one) is fixed before verification: exact.
+Code and math quote their prompts and small models repeat themselves: there a match over earlier text predicts long
+runs for free, where the drafter is weakest. ``HybridRule`` verifies the proposal prefix with the most expected tokens
+per unit of cost (acceptance calibrated by ``python -m dflash2_tools.calibrate_hybrid``; costs measured per device),
+and skips the drafter when a copy beats even a fully confident draft. The rule reads only committed text and this
+step's draft, so q is fixed before verification: exact.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ def suffix_match(trie, num_tokens: int) -> NgramMatch | None:
 
 
 class NgramIndex:
-    """Latest earlier occurrence of every n-gram (``min_n <= n <= max_n``) of a growing token list."""
+    """Latest earlier occurrence of every n-gram (``min_n <= n <= max_n``) of a growing token list: prompt lookup."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
@@ -54,12 +51,8 @@ class NgramIndex:
             self.ids.append(token)
 
     def lookup(self, num_tokens: int) -> NgramMatch | None:
-        """Continuation of the longest n-gram suffix that occurred before, or None.
-
-        The latest occurrence may end less than ``num_tokens`` before the context does (a loop
-        of period p = length - end): the continuation then repeats that period, which is what
-        the text does if the loop goes on.
-        """
+        """Continuation of the longest n-gram suffix that occurred before, or None; an occurrence ending fewer than
+        ``num_tokens`` back is a loop, and the continuation repeats its period."""
         length = len(self.ids)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self.latest_end.get(tuple(self.ids[length - n :]))
@@ -77,11 +70,9 @@ class Proposal:
 
 @dataclass
 class StepCosts:
-    """Costs in one-token target forwards: verifying L >= 1 drafted tokens costs
-    ``1 + multi_token_step + per_token * L`` (a plain step costs 1); a drafter forward ``draft``. A measured
-    ``curve`` (forward width -> cost, widths ascending, the first 1) replaces the line where it is known: interpolated
-    between measured widths, extended past the last along its last segment (a CPU's cost is not a line: flat to 2
-    tokens, a step to 4, then shallower)."""
+    """Costs in one-token target forwards: verifying L >= 1 drafted tokens costs ``1 + multi_token_step + per_token * L``,
+    a drafter forward ``draft``. A measured ``curve`` ((width, cost), ascending) replaces the line: interpolated, and
+    extended along its last segment (a CPU's cost is not a line)."""
 
     multi_token_step: float = 0.0
     per_token: float = 0.0
@@ -112,19 +103,11 @@ def expected_tokens(rates: list[float], factor: float = 1.0) -> float:
 class HybridRule:
     """Which proposal to verify, and how much of it: the most expected tokens per unit of time.
 
-    Per-token acceptance estimates: the draft's ``min(1, drafter_scale * c_j)`` with ``c_j`` the
-    selector's (temperature-1) probability of its pick at position j; the n-gram's
-    ``ngram_acceptance[m]`` for match length m (the last entry for longer matches), the same at
-    every position. Verifying the first L tokens commits ``1 + f * E_L`` tokens in expectation
-    (``E_L = sum_{i<=L} prod_{j<=i} a_j``; ``f`` the proposer's running ratio of accepted to
-    predicted tokens in this call, which pulls the estimates to what this text and temperature
-    give) and costs ``costs.verify(L)``. On a GPU verification is nearly free (verify everything);
-    on a compute-bound CPU a multi-token forward costs more than a one-token one, so unlikely
-    tails are cut and a step with no promising proposal verifies nothing. Before drafting, the
-    drafter runs only when its calibrated mean acceptance (``drafter_acceptance``: P(position i
-    accepted)) promises more per cost, its own forward included, than the n-gram or a plain step.
-    The n-gram wins when its value plus ``ngram_margin`` beats the draft's.
-    """
+    Per-token acceptance: the draft's ``min(1, drafter_scale * c_j)`` (``c_j`` the selector's probability of its pick),
+    a copy's ``ngram_acceptance[match length]`` (or its own ``rates``). Verifying the first L tokens commits
+    ``1 + f * sum_{i<=L} prod_{j<=i} a_j`` tokens (``f``: this call's accepted / predicted for the proposer) for
+    ``costs.verify(L)``: on a GPU everything is verified, on a CPU unlikely tails are cut. A copy wins when its value
+    plus ``ngram_margin`` beats the draft's."""
 
     ngram_acceptance: list[float]
     drafter_scale: float
@@ -216,13 +199,9 @@ class PathProposal:
 
 
 def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: StepCosts) -> int:
-    """The one proposal length L the step verifies for every row.
-
-    A batch runs until its slowest row is done, so a step is worth its extra cost only if EVERY row advances
-    enough: the value of L is the least expected tokens of any row (its bonus token included) per unit of the
-    batch's cost, against 1 for a plain batched step. (Summing tokens over rows instead, measured on the
-    embedded target at batch 8, verified n-gram runs of single rows while the other rows waited: 0.90x of the
-    target's batched generate on CHAMP.) Where verification is free (a GPU) every L pays and the longest wins."""
+    """The one proposal length L the step verifies for every row: the least expected tokens of any row per unit of the
+    batch's cost (a batch runs until its slowest row is done; summing over rows lost to the target's batched
+    generate, docs/design.md). Where verification is free (a GPU) the longest wins."""
     def value(length: int) -> float:
         tokens = min(expected_tokens(p.rates[: min(length, len(p.tokens))], rule.factor(p.choice.proposer) if p.choice and
                                      p.choice.proposer in rule.outcomes else 1.0) for p, rule in zip(proposals, rules))
@@ -243,13 +222,9 @@ def best_length(lengths: list[int], value, cost) -> int:
 
 
 def draft_pays(rules: list[HybridRule], matches: list, n_draft: list[int], costs: StepCosts) -> bool:
-    """Before drafting: does a draft promise more per unit of cost, its forward included, than the rows' n-gram
-    continuations alone (or a plain step)? The one gate for one row and for a batch.
-
-    An option verifying L tokens is valued, like ``batch_length`` values a step, by the row that gains least; a row's
-    value is the best of what it could verify: its draft (the drafter's calibrated mean acceptance), its n-gram
-    continuation (plus ``ngram_margin``, as ``HybridRule.choose`` compares them) or nothing. For one row this is
-    exactly "the draft's best value beats the n-gram's (plus the margin) and a plain step"."""
+    """Before drafting: does a draft (calibrated mean acceptance, its forward included) promise more per unit of cost
+    than the rows' copies (plus ``ngram_margin``) or a plain step? Valued by the row that gains least, as
+    ``batch_length``; the one gate for one row and for a batch."""
     def value(length: int, with_draft: bool) -> float:
         cost = costs.verify(length) + (costs.draft if with_draft else 0.0)
 
@@ -282,14 +257,10 @@ def _tree_step_tokens(tree_tokens: list[float], copies: list[list[float]], facto
 
 
 def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[float], tree_nodes: int, costs: StepCosts) -> int:
-    """Before a tree step: how many tokens of the rows' copied continuations to verify ALONE (chains, no drafter
-    forward), or 0 to draft the tree (which carries those continuations as branches anyway).
-
-    The tree step is valued like ``draft_pays`` values a batch, by the row that gains least: a row commits at least
-    the better of its tree's expected tokens (``tree_tokens[i]``, bonus included) and its whole copy's, for
-    ``verify(tree_nodes + longest copy) + draft``. A copy step of L tokens commits ``expected_tokens`` of each row's
-    first L copied tokens for ``verify(L)``; a row without a copy commits 1 (its bonus), so one such row keeps the
-    batch on trees. Where verification costs about the same at any width (a GPU) the drafter's cost decides."""
+    """Before a tree step: how many copied tokens to verify ALONE (chains, no drafter forward), or 0 to draft the tree
+    (which carries the copies as branches). Valued by the row that gains least: a tree row commits the better of
+    ``tree_tokens[i]`` and its copy for ``verify(tree_nodes + longest) + draft``, a copy step of L tokens each row's
+    first L copied tokens for ``verify(L)`` (a row without a copy: its bonus, so it keeps the batch on trees)."""
     copies, factors = _copied_rates(rules, matches)
     longest = max(len(rates) for rates in copies)
     if longest == 0:
@@ -304,15 +275,9 @@ def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[fl
 
 
 def tree_branch_length(rules: list[HybridRule], matches: list, tree_tokens: list[float], tree_nodes: int, costs: StepCosts) -> int:
-    """How many copied tokens a tree step carries beside its lattice: the L whose step commits the most tokens per unit
-    of cost, each row the better of its tree's and its copy's first L (``tree_tokens[i]``, bonus included), summed over
-    the rows, for ``verify(tree_nodes + L) + draft``; a tie goes to the longer where it costs no more (verification
-    free: the whole branch), else to the shorter. Summed, not the row that gains least (as
-    ``copy_beats_tree`` must: a copy step leaves a row without a copy at its bonus token): every row still gets its
-    tree, and a branch widens the whole batch's forward. Measured at batch 4 (docs/engine/b4-branch-*): the 12-token
-    branch always carried gave 1.23x / 0.98x / 1.31x the target's batched generate on HumanEval / CHAMP /
-    ShareGPT-dev, this 1.37x / 1.08x / 1.37x (the least-gaining row's value: 1.35x / 1.19x / 1.23x); one row's
-    tokens per forward unchanged (it carries the whole branch where it pays, as before)."""
+    """How many copied tokens a tree step carries beside its lattice: the L of the most tokens per unit of
+    ``verify(tree_nodes + L) + draft``, each row the better of its tree and its copy's first L, SUMMED over rows (every
+    row keeps its tree; the branch widens the whole forward; measured in docs/design.md)."""
     copies, factors = _copied_rates(rules, matches)
 
     def value(length: int) -> float:

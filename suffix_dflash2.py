@@ -201,7 +201,8 @@ class SuffixIndex:
         separator or at the write head (the oldest token is not the newest's successor)."""
         to_head = (self.total - slot) % self.max_tokens  # 0: the slot IS the head (the oldest token, or unwritten)
         n = min(n, to_head or (self.max_tokens if self.total >= self.max_tokens else 0))
-        out = self.ring[(slot + np.arange(n)) % self.max_tokens].tolist()
+        slot %= self.max_tokens
+        out = (self.ring[slot : slot + n] if slot + n <= self.max_tokens else self.ring[(slot + np.arange(n)) % self.max_tokens]).tolist()
         return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
 
     def lookup(self, context: list[int], max_depth: int | None = None) -> SuffixTrie | None:
@@ -213,7 +214,7 @@ class SuffixIndex:
             if len(context) < k:
                 continue
             tail = [int(t) for t in context[-k:]]
-            bucket = int(self._bucket(_hash_one(tail)))
+            bucket = ((_hash_one(tail) * int(_MIX)) & _MASK) >> (64 - self.bits)  # _bucket's, without numpy per step
             trie = None
             for follow in self.tables[k][bucket].tolist():
                 if follow < 0 or self._read(follow - k, k) != tail:

@@ -1,17 +1,9 @@
-"""Tree verification: several paths through the drafter's top-K lattice, verified in ONE target forward.
+"""Token trees: several paths through the drafter's top-K lattice, verified in ONE target forward.
 
-One step, for each row of a call, after the prefill:
-
-    1. draft: one drafter forward from the anchor gives, at every block position t, the top-K candidates and the
-       selector's scores S_t(a, b) (``selector_dflash2.lattice_table``)
-    2. tree: best-first from the anchor, a child's log-probability its parent's plus log softmax_b S_t(parent, b)
-       over the top-K; the ``budget`` most probable nodes, plus the n-gram continuation as one more branch
-    3. verify: one forward over the nodes; each sees the cache and its ancestors (tree mask) at the anchor's
-       position plus its depth
-    4. accept (``accept_dflash2``): the target's choice after every node in one transfer, then a walk from the root
-    5. commit (``holes_dflash2``): the accepted path's K/V in order; its hidden states are the drafter's next context
-
-A chain (one path) is a tree with one child per node: the decoding loop runs every mode through these helpers.
+From the anchor, best-first: a child's log-probability is its parent's plus log softmax_b S_t(parent, b) over the
+top-K (``selector_dflash2.lattice_table``); the ``budget`` most probable nodes, plus copied continuations as
+branches. Each node sees the cache and its ancestors (``tree_attention_mask``) at the anchor's position plus its
+depth. A chain (one path) is a tree with one child per node: the loop runs every step through these helpers.
 """
 
 from __future__ import annotations
@@ -72,12 +64,8 @@ def root_tree(anchor: int) -> TokenTree:
 
 
 def build_tree(anchor: int, candidates: list[list[int]], log_probs: list[list[list[float]]], budget: int, max_depth: int) -> TokenTree:
-    """Best-first token tree under a node budget, on host data (no device sync while it grows).
-
-    candidates: [n][K] token ids per draft position; log_probs: [n][K][K] with ``log_probs[t][j][k]`` the log-prob of
-    candidate k at position t after candidate j of position t - 1 (row t = 0: after the anchor, every j alike).
-    Children of one node are distinct (the top-K are), so the tree has no duplicate paths.
-    """
+    """Best-first token tree under a node budget, on host data. ``candidates`` [n][K]; ``log_probs`` [n][K][K]:
+    candidate k at position t after candidate j at t - 1 (t = 0: after the anchor). Children are distinct (top-K)."""
     tree = root_tree(anchor)
     depth_limit = min(max_depth, len(candidates))
     if budget <= 0 or depth_limit <= 0:
@@ -129,10 +117,8 @@ def add_branch(tree: TokenTree, tokens: list[int], room: int | None = None) -> T
 def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[list[list[float]]], budget: int,
                      depth_limit: int, branch: int = 0, copies=None, max_nodes: int | None = None) -> TokenTree:
     """A step's tree: the ``budget`` most probable lattice nodes (at most ``depth_limit`` deep) plus up to ``branch``
-    more nodes of copied continuations, merged as branches. ``copies(n)``: (the n-gram continuation, a match with
-    ``.tokens``, or None; the suffix index's ``SuffixTrie`` of up to n tokens deep, or None); the trie's most
-    frequent continuations go first, the n-gram continuation in what room is left; ``max_nodes`` bounds all
-    together (a static cache's slots), the branches' room reserved first."""
+    nodes of copied continuations (``copies(n)``: (prompt lookup's match or None, the suffix ``SuffixTrie`` or None);
+    the trie's most frequent first); ``max_nodes`` bounds all together (a static cache's slots)."""
     branch = min(branch, depth_limit, max_nodes if max_nodes is not None else branch) if copies is not None else 0
     nodes = budget if max_nodes is None else max(0, min(budget, max_nodes - branch))
     tree = build_tree(anchor, candidates, log_probs, nodes, depth_limit)
@@ -147,12 +133,9 @@ def tree_with_branch(anchor: int, candidates: list[list[int]], log_probs: list[l
 
 
 def tree_attention_mask(trees, past_mask: torch.Tensor, dtype, key_length: int | None = None, n_rows: int | None = None) -> torch.Tensor:
-    """Additive 4D mask [b, 1, n_rows, key_length] for the trees of b rows (one ``TokenTree``: b = 1): each row's
-    committed context (``past_mask`` [b, past] or [past], its own padding mask) and each node's ancestors.
-
-    ``key_length`` (default past + n_rows): a static cache attends over all its slots; those after the tree are masked.
-    ``n_rows`` (default: the largest tree's nodes) pads the forward to a fixed size: a padding row sees only itself,
-    and no real node sees a padding row. Built on the host as lists: two tensors whatever the batch."""
+    """Additive 4D mask [b, 1, n_rows, key_length]: each row's context (``past_mask`` [b, past], holes 0) and each
+    node's ancestors. ``key_length``: a static cache's slots (those after the tree masked); ``n_rows`` pads the
+    forward (a padding row sees only itself, no real node sees it)."""
     trees = [trees] if isinstance(trees, TokenTree) else trees
     past_mask = past_mask.view(len(trees), -1)  # [b, past]
     past = past_mask.shape[1]
@@ -173,29 +156,22 @@ def static_cache_length(cache) -> int | None:
     return max(lengths) if lengths else None
 
 
-# Tokens committed per step by a tree of N nodes over those of one path of the same drafter (greedy, the shipped
-# weights, fp32; docs/tree/acceptance_*.json: ShareGPT-dev 1.71 -> 1.81 / 2.02 / 2.22 / 2.35 at 4 / 8 / 16 / 32
-# nodes, HumanEval 1.51 -> 1.64 / 1.79 / 1.91 / 2.02): the mean ratio of the two sets. Larger trees: not measured.
+# Tokens committed per step by a tree of N nodes over one path of the same drafter (docs/tree/acceptance_*.json:
+# the mean ratio on ShareGPT-dev and HumanEval; larger trees not measured).
 TREE_GAIN = {4: 1.07, 8: 1.18, 16: 1.28, 32: 1.36}
 
 
 def tree_prior(drafter_acceptance: list[float], block_size: int, budget: int) -> float:
-    """A tree step's expected committed drafted tokens before drafting: one path's from the calibration
-    (``drafter_acceptance``: P(block position i accepted)) times the tree's gain over it (``TREE_GAIN``, the largest
-    measured budget not above this one); ``HybridRule.factor("tree")`` pulls it to what this call's trees commit."""
+    """A tree step's expected drafted tokens before drafting: one path's (calibrated) times ``TREE_GAIN``; the rule's
+    ``factor("tree")`` pulls it to what this call's trees commit."""
     gain = max((g for nodes, g in TREE_GAIN.items() if nodes <= budget), default=1.0)
     return (1.0 + sum(drafter_acceptance[: block_size - 1])) * gain - 1.0
 
 
 def choose_tree_budget(costs, drafter_acceptance: list[float]) -> tuple[int, dict]:
-    """(node budget, the values compared): a tree of N nodes where it commits the most tokens per unit of cost,
-    else 0 (one path). ``costs``: a StepCosts; ``drafter_acceptance``: P(block position i accepted), calibrated.
-
-    One path verifying L tokens commits ``1 + sum_{i<L} a_i`` for ``verify(L) + draft``; a tree commits
-    ``TREE_GAIN[N]`` times the whole path's tokens for ``verify(N) + draft``; a plain step 1 for 1. The best tree
-    is taken when it beats the best of the rest (no margin: with measured costs, a 10% margin once kept the embedded
-    target on one path at 1.15x / 1.48x / 1.67x where the 4-node tree it declined gave 1.31x / 1.53x / 1.96x).
-    """
+    """(node budget, the values compared): the tree of N nodes committing the most tokens per unit of cost when it
+    beats one path (``1 + sum_{i<L} a_i`` for ``verify(L) + draft``) and a plain step, else 0 (one path). No margin:
+    one once kept the embedded target on paths that measured slower (docs/design.md)."""
     values = {"plain": 1.0}
     expected = 1.0
     for length, a in enumerate(drafter_acceptance, start=1):
@@ -232,9 +208,6 @@ def tree_support_problem(target, generation_config, cache=None) -> str | None:
         what = generation_config.cache_implementation or type(cache).__name__
         return (f"tree verification compacts a dynamic or static cache in place; a {what} cache is not supported: "
                 "use cache_implementation=\"static\" or the default dynamic cache")
-    if generation_config.return_dict_in_generate and (generation_config.output_attentions or generation_config.output_hidden_states):
-        return ("tree verification returns sequences, scores, logits and the cache, not attentions or hidden states: "
-                "drop output_attentions/output_hidden_states")
     return None
 
 

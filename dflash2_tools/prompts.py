@@ -181,10 +181,10 @@ def _code_math_prompts(split: str) -> list[dict]:
     return sharegpt_code_math_prompts(split)
 
 
-def _python_stub_prompts() -> list[dict]:
-    from .prompt_stubs import python_stub_prompts  # imported here: it builds on prompt_domains, which builds on this module
+def _python_stub_prompts(more: bool = False) -> list[dict]:
+    from .prompt_stubs import MORE_LIBRARIES, python_stub_prompts  # imported here: it builds on prompt_domains, which builds on this module
 
-    return python_stub_prompts()
+    return python_stub_prompts(libraries=MORE_LIBRARIES) if more else python_stub_prompts()
 
 
 def _school_math_prompts() -> list[dict]:
@@ -199,6 +199,7 @@ TRAINING_PROMPT_SOURCES = {
     "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
     "sharegpt-code-math": lambda: _code_math_prompts("train"),
     "python-stubs": _python_stub_prompts,
+    "python-stubs-more": lambda: _python_stub_prompts(more=True),
     "school-math": _school_math_prompts,
 }
 

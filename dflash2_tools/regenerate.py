@@ -39,6 +39,7 @@ PROMPT_SET_DESCRIPTIONS = {
     "sharegpt-all-turns": lambda: "sharegpt-train (every human turn, history trimmed to the prompt budget)",
     "sharegpt-code-math": lambda: "sharegpt-train turns asking for code or math (prompt_domains.py), evaluation near-duplicates dropped",
     "python-stubs": prompt_stubs.source_description,
+    "python-stubs-more": lambda: prompt_stubs.source_description(prompt_stubs.MORE_LIBRARIES),
     "school-math": prompt_school_math.source_description,
 }
 
@@ -118,7 +119,8 @@ def main(argv=None):
     ap.add_argument("--prompts", default="sharegpt-first-turns", choices=sorted(TRAINING_PROMPT_SOURCES),
                     help="sharegpt-all-turns: every human turn with its history (55.7K prompts; the oldest "
                     "exchanges are dropped to fit --max-prompt-tokens); sharegpt-code-math: turns asking for code or math; "
-                    "python-stubs: HumanEval-form function stubs from library source (prompt_stubs.py); school-math: mathematics_dataset "
+                    "python-stubs: HumanEval-form function stubs from library source (prompt_stubs.py); python-stubs-more: the same from "
+                    "the other libraries the project installs (torch, transformers, ...); school-math: mathematics_dataset "
                     "training-split questions (prompt_school_math.py); default: first turns "
                     "only (the earlier folders)")
     ap.add_argument("--limit", type=int, default=None, help="number of training prompts after --offset (default: all)")

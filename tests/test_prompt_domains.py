@@ -14,6 +14,7 @@ from dflash2_tools.regenerate import load_chunks
 
 CODE_MATH_DATA = root.REPO_ROOT / "data" / "smollm2-sharegpt-code-math-128"
 STUB_DATA = root.REPO_ROOT / "data" / "smollm2-python-stubs-128"
+MORE_STUB_DATA = root.REPO_ROOT / "data" / "smollm2-python-stubs-more-128"
 SCHOOL_MATH_DATA = root.REPO_ROOT / "data" / "smollm2-school-math-128"
 
 
@@ -76,6 +77,20 @@ def test_python_stub_keeps_signature_and_docstring_not_body():
     compile(text, "<stub>", "exec")  # the stub is valid Python (a function whose body is its docstring)
 
 
+def test_the_second_stub_source_reads_other_libraries_and_names_their_versions():
+    first = {name for name, _ in prompt_stubs.source_roots()}
+    more = {name for name, _ in prompt_stubs.source_roots(prompt_stubs.MORE_LIBRARIES)}
+    assert "stdlib" in first and {"torch", "transformers"} <= more and not first & more  # no function in both folders
+    description = prompt_stubs.source_description(prompt_stubs.MORE_LIBRARIES)
+    assert description.startswith("python-stubs-more:") and f"torch {torch_version()}" in description
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def assert_no_evaluation_prompt(prompts: list[str]) -> None:
     """No HumanEval or CHAMP prompt has 30% of its 40-character windows inside one of ``prompts``
     (a positive control shows the check finds one)."""
@@ -106,8 +121,8 @@ def assert_no_evaluation_prompt(prompts: list[str]) -> None:
     assert worst_overlap(some) > 0.9
 
 
-@pytest.mark.parametrize("folder", [CODE_MATH_DATA, STUB_DATA, SCHOOL_MATH_DATA],
-                         ids=["sharegpt-code-math", "python-stubs", "school-math"])
+@pytest.mark.parametrize("folder", [CODE_MATH_DATA, STUB_DATA, MORE_STUB_DATA, SCHOOL_MATH_DATA],
+                         ids=["sharegpt-code-math", "python-stubs", "python-stubs-more", "school-math"])
 def test_committed_code_math_data_holds_no_evaluation_prompt(folder):
     """Every committed training prompt, decoded, against every HumanEval and CHAMP prompt."""
     if not list(folder.glob("chunk_*.npz")):

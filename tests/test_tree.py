@@ -149,6 +149,17 @@ def test_the_walk_follows_the_choices_and_stops_at_the_first_miss(tree_module):
     assert a == 1
 
 
+@pytest.mark.parametrize("vocab", [49152, 50001, 1031, 7])  # whole blocks, a short last block, few blocks, under one
+def test_first_argmax_is_argmax_with_its_ties(vocab):
+    accept = root.accept()
+    g = torch.Generator().manual_seed(vocab)
+    ties = torch.randint(0, 3, (4, 9, vocab), generator=g).float()  # every row has its maximum many times
+    last = ties.clone()
+    last[..., -1] = 7.0  # the maximum in the last (short) block only
+    for logits in (torch.randn(4, 9, vocab, generator=g), ties, last, ties[0]):
+        assert torch.equal(accept.first_argmax(logits), logits.argmax(-1))
+
+
 def test_processors_see_each_nodes_own_prefix_once_per_depth(tree_module):
     """Nodes of one depth are processed in one call, each row with its own prefix after the committed ids."""
     accept = root.accept()
