@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results" / "results.json"
-ACCEPTANCE = {name: REPO / "docs" / "acceptance" / f"code-math-v6-{key}.json"
+ACCEPTANCE = {name: REPO / "docs" / "acceptance" / f"code-math-v9-{key}.json"
               for name, key in (("HumanEval", "humaneval"), ("CHAMP", "champ"), ("ShareGPT-dev", "sharegpt-dev"))}
 SET_NAMES = {"humaneval": "HumanEval", "champ": "CHAMP", "sharegpt-dev": "ShareGPT-dev"}
 METHOD_NAMES = {
