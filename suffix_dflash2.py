@@ -27,6 +27,7 @@ import numpy as np
 
 _MULT = np.uint64(0x100000001B3)  # FNV-style polynomial hash of a k-gram, wrapping mod 2^64 like numpy's uint64
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_MULT_INT, _MIX_INT = int(_MULT), int(_MIX)  # the same, as Python ints for one hash at a time
 _MASK = (1 << 64) - 1
 SEPARATOR = -1  # ends a document in the ring
 # P(a continuation's token is the target's) ~ count(token) / (count(its parent) + SMOOTHING[order]): fit on the target's
@@ -112,7 +113,7 @@ def _hash_windows(tokens: np.ndarray, k: int) -> np.ndarray:
 def _hash_one(tokens: list[int]) -> int:
     h = 0
     for t in tokens:
-        h = (h * int(_MULT) + t + 1) & _MASK
+        h = (h * _MULT_INT + t + 1) & _MASK
     return h
 
 
@@ -154,8 +155,13 @@ class SuffixIndex:
         return self.ring.nbytes + sum(t.nbytes for t in self.tables.values()) + sum(w.nbytes for w in self.written.values())
 
     def _bucket(self, h):
+        """Buckets of many k-gram hashes (writing): the top ``bits`` bits of ``h * _MIX`` mod 2^64."""
         with np.errstate(over="ignore"):
             return ((np.asarray(h, dtype=np.uint64) * _MIX) >> np.uint64(64 - self.bits)).astype(np.int64)
+
+    def _bucket_of(self, h: int) -> int:
+        """``_bucket`` of one hash in plain integers (a lookup per step: no numpy scalars and error states)."""
+        return ((h * _MIX_INT) & _MASK) >> (64 - self.bits)
 
     # ---- writing ------------------------------------------------------------------------------------------------
 
@@ -214,7 +220,7 @@ class SuffixIndex:
             if len(context) < k:
                 continue
             tail = [int(t) for t in context[-k:]]
-            bucket = ((_hash_one(tail) * int(_MIX)) & _MASK) >> (64 - self.bits)  # _bucket's, without numpy per step
+            bucket = self._bucket_of(_hash_one(tail))
             trie = None
             for follow in self.tables[k][bucket].tolist():
                 if follow < 0 or self._read(follow - k, k) != tail:

@@ -4,8 +4,8 @@ HumanEval asks the target to complete a function from its signature and docstrin
 ShareGPT code turns ask questions in prose. The drafter accepts least on HumanEval, so this
 source gives the data engine prompts in HumanEval's own form, written by someone else: every
 public module-level function of the standard library and of a few installed libraries (sympy,
-networkx, mpmath, numpy) that has a docstring of a useful size and a body of its own, cut down
-to its signature and docstring::
+networkx, mpmath, numpy; ``python-stubs-more``: torch, transformers and the other installed ones)
+that has a docstring of a useful size and a body of its own, cut down to its signature and docstring::
 
     Complete the following Python function.
 
@@ -34,37 +34,42 @@ from pathlib import Path
 
 from .prompt_domains import EvaluationGuard, evaluation_texts
 
-LIBRARIES = ("sympy", "networkx", "mpmath", "numpy")  # installed with torch / the project; docstrings with examples
-# the second source (``python-stubs-more``): the other libraries the project installs, disjoint from the first, so the
-# two data folders hold different functions (3,300 more stubs, torch and transformers the most)
-MORE_LIBRARIES = ("torch", "transformers", "accelerate", "huggingface_hub", "safetensors", "PIL", "jinja2", "click",
-                  "rich", "requests", "yaml", "tqdm", "packaging", "fsspec", "markdown_it", "pygments", "urllib3",
-                  "charset_normalizer", "psutil", "regex")  # not pip / setuptools: each new environment has other versions
+# the libraries each prompt source reads ("stdlib": the standard library). The second source takes the other
+# libraries the project installs, none of the first's, so the two data folders hold different functions (3,300 more
+# stubs, torch and transformers the most); not pip / setuptools: each new environment has other versions of them
+SOURCES = {
+    "python-stubs": ("stdlib", "sympy", "networkx", "mpmath", "numpy"),
+    "python-stubs-more": ("torch", "transformers", "accelerate", "huggingface_hub", "safetensors", "PIL", "jinja2", "click",
+                          "rich", "requests", "yaml", "tqdm", "packaging", "fsspec", "markdown_it", "pygments", "urllib3",
+                          "charset_normalizer", "psutil", "regex"),
+}
 SKIP_PARTS = {"test", "tests", "testing", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages"}
 DOCSTRING_CHARS = (60, 800)  # shorter says too little to complete from; longer does not fit the prompt budget
 MIN_BODY_STATEMENTS = 3  # the docstring plus at least two statements: a real implementation, not a wrapper
 INSTRUCTION = "Complete the following Python function.\n\n"  # HumanEval's prompt form (prompts.humaneval_prompts)
 
 
-def source_roots(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[str, Path]]:
-    """(name, folder) of every source scanned: the standard library (first source only), then each installed library."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))] if libraries == LIBRARIES else []
-    for name in libraries:
+def source_roots(source: str = "python-stubs") -> list[tuple[str, Path]]:
+    """(name, folder) of every library the prompt source scans, in ``SOURCES`` order (those not installed skipped)."""
+    roots = []
+    for name in SOURCES[source]:
+        if name == "stdlib":
+            roots.append((name, Path(sysconfig.get_paths()["stdlib"])))
+            continue
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
             roots.append((name, Path(spec.origin).parent))
     return roots
 
 
-def source_description(libraries: tuple[str, ...] = LIBRARIES) -> str:
+def source_description(source: str = "python-stubs") -> str:
     """What meta.json records: the sources and their versions (the prompts change with them)."""
     versions = [f"python {sys.version_info.major}.{sys.version_info.minor}"]
     distributions = importlib.metadata.packages_distributions()  # import name -> distributions (PIL -> pillow)
-    for name, _ in source_roots(libraries):
+    for name, _ in source_roots(source):
         if name != "stdlib":
             versions.append(f"{name} {importlib.metadata.version(distributions.get(name, [name])[0])}")
-    label = "python-stubs" if libraries == LIBRARIES else "python-stubs-more"
-    return f"{label}: signatures + docstrings of public library functions (prompt_stubs.py), " + ", ".join(versions)
+    return f"{source}: signatures + docstrings of public library functions (prompt_stubs.py), " + ", ".join(versions)
 
 
 def stub(node: ast.FunctionDef) -> str | None:
@@ -88,12 +93,12 @@ def module_stubs(path: Path) -> list[str]:
     return [s for node in tree.body if isinstance(node, ast.FunctionDef) and (s := stub(node))]
 
 
-def python_stub_prompts(guard: EvaluationGuard | None = None, libraries: tuple[str, ...] = LIBRARIES) -> list[dict]:
+def python_stub_prompts(guard: EvaluationGuard | None = None, source: str = "python-stubs") -> list[dict]:
     """One chat record per qualifying function, in a fixed order (sources, files sorted, then file order);
     duplicates of the same stub text and evaluation near-duplicates dropped."""
     guard = guard or EvaluationGuard(evaluation_texts())
     seen, out = set(), []
-    for name, root in source_roots(libraries):
+    for name, root in source_roots(source):
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root)
             if SKIP_PARTS & set(rel.parts[:-1]):

@@ -181,10 +181,10 @@ def _code_math_prompts(split: str) -> list[dict]:
     return sharegpt_code_math_prompts(split)
 
 
-def _python_stub_prompts(more: bool = False) -> list[dict]:
-    from .prompt_stubs import MORE_LIBRARIES, python_stub_prompts  # imported here: it builds on prompt_domains, which builds on this module
+def _python_stub_prompts(source: str) -> list[dict]:
+    from .prompt_stubs import python_stub_prompts  # imported here: it builds on prompt_domains, which builds on this module
 
-    return python_stub_prompts(libraries=MORE_LIBRARIES) if more else python_stub_prompts()
+    return python_stub_prompts(source=source)
 
 
 def _school_math_prompts() -> list[dict]:
@@ -198,8 +198,8 @@ TRAINING_PROMPT_SOURCES = {
     "sharegpt-first-turns": lambda: sharegpt_prompts("train"),
     "sharegpt-all-turns": lambda: sharegpt_turn_prompts("train"),
     "sharegpt-code-math": lambda: _code_math_prompts("train"),
-    "python-stubs": _python_stub_prompts,
-    "python-stubs-more": lambda: _python_stub_prompts(more=True),
+    "python-stubs": lambda: _python_stub_prompts("python-stubs"),
+    "python-stubs-more": lambda: _python_stub_prompts("python-stubs-more"),
     "school-math": _school_math_prompts,
 }
 

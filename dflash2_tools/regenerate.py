@@ -38,8 +38,8 @@ PROMPT_SET_DESCRIPTIONS = {
     "sharegpt-first-turns": lambda: "sharegpt-train (first human turn)",
     "sharegpt-all-turns": lambda: "sharegpt-train (every human turn, history trimmed to the prompt budget)",
     "sharegpt-code-math": lambda: "sharegpt-train turns asking for code or math (prompt_domains.py), evaluation near-duplicates dropped",
-    "python-stubs": prompt_stubs.source_description,
-    "python-stubs-more": lambda: prompt_stubs.source_description(prompt_stubs.MORE_LIBRARIES),
+    "python-stubs": lambda: prompt_stubs.source_description("python-stubs"),
+    "python-stubs-more": lambda: prompt_stubs.source_description("python-stubs-more"),
     "school-math": prompt_school_math.source_description,
 }
 

@@ -79,9 +79,9 @@ def test_python_stub_keeps_signature_and_docstring_not_body():
 
 def test_the_second_stub_source_reads_other_libraries_and_names_their_versions():
     first = {name for name, _ in prompt_stubs.source_roots()}
-    more = {name for name, _ in prompt_stubs.source_roots(prompt_stubs.MORE_LIBRARIES)}
+    more = {name for name, _ in prompt_stubs.source_roots("python-stubs-more")}
     assert "stdlib" in first and {"torch", "transformers"} <= more and not first & more  # no function in both folders
-    description = prompt_stubs.source_description(prompt_stubs.MORE_LIBRARIES)
+    description = prompt_stubs.source_description("python-stubs-more")
     assert description.startswith("python-stubs-more:") and f"torch {torch_version()}" in description
 
 

@@ -68,6 +68,18 @@ def test_lookup_counts_what_followed_the_longest_match():
     assert exact > 150  # most contexts were compared exactly
 
 
+def test_one_hash_at_a_time_lands_where_the_writes_put_it():
+    """The per-step lookup hashes and buckets one k-gram in plain integers; the writes do it for many with numpy."""
+    import numpy as np
+
+    index = suffix.SuffixIndex(max_tokens=1 << 12, orders=(3,))
+    rng = random.Random(0)
+    tokens = [rng.randrange(50_000) for _ in range(200)]
+    hashes = suffix._hash_windows(np.asarray(tokens, dtype=np.int64), 3)  # [198] uint64
+    assert [suffix._hash_one(tokens[i : i + 3]) for i in range(198)] == [int(h) for h in hashes]
+    assert [index._bucket_of(int(h)) for h in hashes] == index._bucket(hashes).tolist()
+
+
 def test_a_crowded_table_and_an_overwritten_ring_propose_only_real_text():
     """A 64-token ring and 256 buckets: k-grams collide and slots are overwritten; every proposal still follows a
     real occurrence of the context in what the ring holds now."""
