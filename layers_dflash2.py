@@ -17,7 +17,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, eager_attention_forward, rotate_half
 
 from .configuration_dflash2 import DFlash2Config
 
@@ -43,31 +43,6 @@ def is_flash_attention(implementation: str | None) -> bool:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [b, heads, t, hd]; cos/sin: [b, t, hd] at the true positions of those t tokens."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
-
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention. ``attention_mask``: boolean ``[b, 1, q, kv]`` (True = attend) or additive float."""
-    key = repeat_kv(key, module.num_key_value_groups)  # [b, h, kv, hd]
-    value = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # [b, h, q, kv]
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
-        else:
-            attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value)  # [b, h, q, hd]
-    return attn_output.transpose(1, 2).contiguous(), attn_weights  # [b, q, h, hd]
 
 
 def block_attention_mask(
@@ -140,12 +115,14 @@ class DFlash2Attention(nn.Module):
             key, value = past_key_values.update(key, value, self.layer_idx)  # [b, kvh, past+c+q, hd]
         if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
             attention_mask = attention_mask[..., -key.shape[-2] :]  # a cache layer that keeps only its window
-        interface: Callable = eager_attention_forward
+        interface: Callable = eager_attention_forward  # Qwen3's: it adds the mask, so a boolean one becomes additive
         implementation = self.config._attn_implementation
         if attention_mask is not None and is_flash_attention(implementation):
             implementation = "sdpa"  # flash kernels read a 4D mask as a padding mask: masked blocks go through SDPA
         if implementation not in (None, "eager"):
             interface = ALL_ATTENTION_FUNCTIONS[implementation]
+        elif attention_mask is not None and attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
         attn_output, _ = interface(
             self,
             query,
@@ -244,4 +221,4 @@ class DFlash2DecoderLayer(nn.Module):
 
 
 __all__ = ["DFlash2Attention", "DFlash2DecoderLayer", "DFlash2DynamicConv", "DFlash2MLP", "DFlash2RMSNorm", "DFlash2RotaryEmbedding",
-           "block_attention_mask", "eager_attention_forward"]
+           "block_attention_mask"]

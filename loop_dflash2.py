@@ -242,9 +242,9 @@ def speculative_decoding(target, drafter, input_ids, logits_processor, stopping_
         n_rows = padded_rows(width, widest) if compiled else width
         padded = compiled and start + n_rows <= slots  # a compiled graph per row count; else an eager forward
         n_rows = n_rows if padded else width
-        step_ids = torch.tensor([tree.tokens + [tree.tokens[0]] * (n_rows - len(tree)) for tree in trees], device=device)
-        depths = torch.tensor([tree.depths + [0] * (n_rows - len(tree)) for tree in trees], device=device)  # [b, W]
-        positions = torch.tensor(real, device=device)[:, None] + depths  # [b, W]
+        step_ids, positions = torch.tensor([[tree.tokens + [tree.tokens[0]] * (n_rows - len(tree)) for tree in trees],
+                                            [[n + d for d in tree.depths] + [n] * (n_rows - len(tree)) for n, tree in zip(real, trees)]],
+                                           device=device)  # [2, b, W]: one copy for the ids and their positions
         if rollback is not None and width > 1:
             rollback.begin_step(cache)
         if own_masks:  # the target's own kernel and masks (a rectangular cache: lockstep)

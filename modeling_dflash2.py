@@ -23,6 +23,7 @@ The target's embedding and LM head are passed in at call time and never stored.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from transformers.modeling_utils import PreTrainedModel
 from .configuration_dflash2 import DFlash2Config
 from .devices_dflash2 import execution_device, module_weights  # noqa: F401 (execution_device: part of this module's API)
 from .layers_dflash2 import (DFlash2Attention, DFlash2DecoderLayer, DFlash2DynamicConv, DFlash2MLP,  # noqa: F401 (this module's API)
-                             DFlash2RMSNorm, DFlash2RotaryEmbedding, block_attention_mask, eager_attention_forward)
+                             DFlash2RMSNorm, DFlash2RotaryEmbedding, block_attention_mask)
 from .selector_dflash2 import DFlash2CandidateSelector, DraftVocabHead, SelectorWalk, linear_head  # noqa: F401 (this module's API)
 from .suffix_dflash2 import SuffixIndex
 from .generation_dflash2 import dflash2_generate, install_assisted_generation_hook  # noqa: F401 (custom_generate uses it)
@@ -224,10 +225,18 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         return embeds
 
     def draft_head(self, lm_head: nn.Module) -> nn.Module:
-        """The head drafts go through: the target's, or its ``config.draft_vocab_ids`` rows (a DraftVocabHead)."""
-        if self.config.draft_vocab_ids is None:
+        """The head drafts go through: the target's, or its ``config.draft_vocab_ids`` rows (a DraftVocabHead, copied
+        once and reused while the head's weight and the id list stay the same: a copy costs ~18 ms per call on a CPU)."""
+        ids = self.config.draft_vocab_ids
+        if ids is None:
             return lm_head
-        return DraftVocabHead(lm_head, self.config.draft_vocab_ids)
+        weight = lm_head.weight
+        key = (len(ids), weight.device, weight.dtype, weight.data_ptr(), weight._version)
+        cached = self.__dict__.get("_draft_head")  # (head ref, the id list, key, DraftVocabHead); not a submodule: never saved
+        if cached is None or cached[0]() is not lm_head or cached[1] is not ids or cached[2] != key:
+            cached = (weakref.ref(lm_head), ids, key, DraftVocabHead(lm_head, ids))
+            self.__dict__["_draft_head"] = cached
+        return cached[3]
 
     def draft_logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """[b, n, H] drafter hidden -> [b, n, V] logits through the TARGET's head and logit transforms

@@ -44,11 +44,13 @@ class NgramIndex:
         self.latest_end: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence with a successor
 
     def extend(self, new_ids: list[int]) -> None:
-        for token in new_ids:
-            end = len(self.ids)  # the n-grams ending here get a successor now
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.latest_end[tuple(self.ids[end - n : end])] = end
-            self.ids.append(token)
+        start = len(self.ids)
+        self.ids.extend(new_ids)
+        ids, last = self.ids, len(self.ids) - 1  # the n-grams ending at start..last get a successor now
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(start, n)
+            grams = zip(*(ids[first - n + j : last - n + j + 1] for j in range(n)))  # ids[end - n : end], end = first..last
+            self.latest_end.update(zip(grams, range(first, last + 1)))  # ascending: the latest occurrence wins
 
     def lookup(self, num_tokens: int) -> NgramMatch | None:
         """Continuation of the longest n-gram suffix that occurred before, or None; an occurrence ending fewer than
@@ -72,14 +74,21 @@ class Proposal:
 class StepCosts:
     """Costs in one-token target forwards: verifying L >= 1 drafted tokens costs ``1 + multi_token_step + per_token * L``,
     a drafter forward ``draft``. A measured ``curve`` ((width, cost), ascending) replaces the line: interpolated, and
-    extended along its last segment (a CPU's cost is not a line)."""
+    extended along its last segment (a CPU's cost is not a line). Each length's cost is computed once per call."""
 
     multi_token_step: float = 0.0
     per_token: float = 0.0
     draft: float = 0.0
     curve: tuple | None = None  # ((width, cost), ...): at least two widths, increasing
+    _verify: dict = field(default_factory=dict, repr=False, compare=False)  # length -> cost, filled as asked
 
     def verify(self, length: int) -> float:
+        cost = self._verify.get(length)
+        if cost is None:
+            cost = self._verify[length] = self._interpolate(length)
+        return cost
+
+    def _interpolate(self, length: int) -> float:
         if not length:
             return 1.0
         if self.curve is None:
@@ -89,14 +98,21 @@ class StepCosts:
         return c0 + (c1 - c0) * (width - w0) / (w1 - w0)  # inside the segment, or along the last one past its end
 
 
-def expected_tokens(rates: list[float], factor: float = 1.0) -> float:
-    """Tokens a proposal with per-token acceptance ``rates`` commits in expectation, its bonus token included
+def expected_prefixes(rates: list[float], factor: float = 1.0) -> list[float]:
+    """Tokens committed in expectation by verifying the first L tokens of a proposal with per-token acceptance
+    ``rates``, for every L = 0..len(rates), the bonus token included: ``1 + factor * sum_{i<=L} prod_{j<=i} a_j``
     (``factor`` scales the drafted part: a proposer's measured acceptance against its calibration)."""
-    run, expected = 1.0, 0.0
+    out, run, total = [1.0], 1.0, 0.0
     for a in rates:
         run *= a
-        expected += run
-    return 1.0 + factor * expected
+        total += run
+        out.append(1.0 + factor * total)
+    return out
+
+
+def expected_tokens(rates: list[float], factor: float = 1.0) -> float:
+    """``expected_prefixes`` of the whole proposal."""
+    return expected_prefixes(rates, factor)[-1]
 
 
 @dataclass
@@ -125,20 +141,17 @@ class HybridRule:
     def record(self, proposal: Proposal, rates: list[float], accepted: int) -> None:
         """After verification: accepted tokens against the estimate, for ``factor``."""
         if proposal.proposer in self.outcomes and proposal.length:
-            run, predicted = 1.0, 0.0
-            for a in rates[: proposal.length]:
-                run *= a
-                predicted += run
             self.outcomes[proposal.proposer][0] += accepted
-            self.outcomes[proposal.proposer][1] += predicted
+            self.outcomes[proposal.proposer][1] += expected_tokens(rates[: proposal.length]) - 1.0
 
     def _best(self, rates: list[float], factor: float = 1.0, extra_cost: float = 0.0) -> tuple[float, int]:
         """(expected tokens per cost, length) of the best prefix of a proposal (length 0: verify none of it)."""
         best, length = 1.0 / (1.0 + extra_cost), 0
-        for i in range(len(rates)):
-            value = expected_tokens(rates[: i + 1], factor) / (self.costs.verify(i + 1) + extra_cost)
-            if value > best + 1e-9 or (value >= best - 1e-9 and self.costs.verify(i + 1) == 1.0):
-                best, length = value, i + 1
+        for i, expected in enumerate(expected_prefixes(rates, factor)[1:], start=1):
+            cost = self.costs.verify(i)
+            value = expected / (cost + extra_cost)
+            if value > best + 1e-9 or (value >= best - 1e-9 and cost == 1.0):
+                best, length = value, i
         return best, length
 
     def drafter_rates(self, confidences: list[float]) -> list[float]:
@@ -202,10 +215,11 @@ def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: 
     """The one proposal length L the step verifies for every row: the least expected tokens of any row per unit of the
     batch's cost (a batch runs until its slowest row is done; summing over rows lost to the target's batched
     generate, docs/design.md). Where verification is free (a GPU) the longest wins."""
+    rows = [expected_prefixes(p.rates[: len(p.tokens)], rule.factor(p.choice.proposer) if p.choice and p.choice.proposer in
+                              rule.outcomes else 1.0) for p, rule in zip(proposals, rules)]  # per row, per length
+
     def value(length: int) -> float:
-        tokens = min(expected_tokens(p.rates[: min(length, len(p.tokens))], rule.factor(p.choice.proposer) if p.choice and
-                                     p.choice.proposer in rule.outcomes else 1.0) for p, rule in zip(proposals, rules))
-        return tokens / costs.verify(length)
+        return min(row[min(length, len(row) - 1)] for row in rows) / costs.verify(length)
 
     return best_length(sorted({0} | {len(p.tokens) for p in proposals}), value, costs.verify)
 
@@ -221,39 +235,42 @@ def best_length(lengths: list[int], value, cost) -> int:
     return best
 
 
+def _at(prefixes: list[float], length: int) -> float:
+    """A proposal's expected tokens at ``length`` (``expected_prefixes``; past its end: the whole proposal)."""
+    return prefixes[min(length, len(prefixes) - 1)]
+
+
+def _copied_prefixes(rules: list[HybridRule], matches: list) -> list[list[float]]:
+    """Per row: its copied continuation's ``expected_prefixes`` (its proposer's factor applied; [1.0] without one)."""
+    return [expected_prefixes(rule.ngram_rates(m), rule.factor(m.proposer)) if m and m.tokens else [1.0]
+            for rule, m in zip(rules, matches)]
+
+
 def draft_pays(rules: list[HybridRule], matches: list, n_draft: list[int], costs: StepCosts) -> bool:
     """Before drafting: does a draft (calibrated mean acceptance, its forward included) promise more per unit of cost
     than the rows' copies (plus ``ngram_margin``) or a plain step? Valued by the row that gains least, as
     ``batch_length``; the one gate for one row and for a batch."""
+    copies = _copied_prefixes(rules, matches)
+    margins = [rule.margin(m) if m and m.tokens else 0.0 for rule, m in zip(rules, matches)]
+    drafts = [expected_prefixes(rule.mean_drafter_rates(n), rule.factor("dflash2")) if n else None
+              for rule, n in zip(rules, n_draft)]
+
     def value(length: int, with_draft: bool) -> float:
         cost = costs.verify(length) + (costs.draft if with_draft else 0.0)
 
-        def row(rule: HybridRule, m, n: int) -> float:
+        def row(copy: list[float], margin: float, draft: list[float] | None) -> float:
             options = [1.0 / cost]
-            if with_draft and n:
-                options.append(expected_tokens(rule.mean_drafter_rates(n)[:length], rule.factor("dflash2")) / cost)
-            if m and m.tokens:
-                options.append(expected_tokens(rule.ngram_rates(m)[:length], rule.factor(m.proposer)) / cost + rule.margin(m))
+            if with_draft and draft is not None:
+                options.append(_at(draft, length) / cost)
+            if len(copy) > 1:
+                options.append(_at(copy, length) / cost + margin)
             return max(options)
 
-        return min(row(rule, m, n) for rule, m, n in zip(rules, matches, n_draft))
+        return min(row(*args) for args in zip(copies, margins, drafts))
 
     longest = max([len(m.tokens) for m in matches if m] + n_draft)
     without = max(value(length, False) for length in range(longest + 1))
     return max((value(length, True) for length in range(1, max(n_draft) + 1)), default=0.0) > without
-
-
-def _copied_rates(rules: list[HybridRule], matches: list) -> tuple[list[list[float]], list[float]]:
-    """Per row: its copied continuation's acceptance rates ([] without one) and its proposer's factor."""
-    copies = [rule.ngram_rates(m) if m and m.tokens else [] for rule, m in zip(rules, matches)]
-    factors = [rule.factor(m.proposer) if m and m.tokens else 1.0 for rule, m in zip(rules, matches)]
-    return copies, factors
-
-
-def _tree_step_tokens(tree_tokens: list[float], copies: list[list[float]], factors: list[float], length: int) -> list[float]:
-    """Per row, what a tree step carrying its copy's first ``length`` tokens as a branch commits at least: the better of
-    its tree's expected tokens and its copy's (bonus included)."""
-    return [max(t, expected_tokens(rates[:length], f)) for t, rates, f in zip(tree_tokens, copies, factors)]
 
 
 def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[float], tree_nodes: int, costs: StepCosts) -> int:
@@ -261,14 +278,14 @@ def copy_beats_tree(rules: list[HybridRule], matches: list, tree_tokens: list[fl
     (which carries the copies as branches). Valued by the row that gains least: a tree row commits the better of
     ``tree_tokens[i]`` and its copy for ``verify(tree_nodes + longest) + draft``, a copy step of L tokens each row's
     first L copied tokens for ``verify(L)`` (a row without a copy: its bonus, so it keeps the batch on trees)."""
-    copies, factors = _copied_rates(rules, matches)
-    longest = max(len(rates) for rates in copies)
+    copies = _copied_prefixes(rules, matches)
+    longest = max(len(row) for row in copies) - 1
     if longest == 0:
         return 0
-    union = min(_tree_step_tokens(tree_tokens, copies, factors, longest))
+    union = min(max(t, row[-1]) for t, row in zip(tree_tokens, copies))
     best_value, best = union / (costs.verify(tree_nodes + longest) + costs.draft), 0
     for length in range(1, longest + 1):
-        value = min(expected_tokens(rates[:length], f) for rates, f in zip(copies, factors)) / costs.verify(length)
+        value = min(_at(row, length) for row in copies) / costs.verify(length)
         if value > best_value + 1e-9:
             best_value, best = value, length
     return best
@@ -278,12 +295,12 @@ def tree_branch_length(rules: list[HybridRule], matches: list, tree_tokens: list
     """How many copied tokens a tree step carries beside its lattice: the L of the most tokens per unit of
     ``verify(tree_nodes + L) + draft``, each row the better of its tree and its copy's first L, SUMMED over rows (every
     row keeps its tree; the branch widens the whole forward; measured in docs/design.md)."""
-    copies, factors = _copied_rates(rules, matches)
+    copies = _copied_prefixes(rules, matches)
 
     def value(length: int) -> float:
-        return sum(_tree_step_tokens(tree_tokens, copies, factors, length)) / (costs.verify(tree_nodes + length) + costs.draft)
+        return sum(max(t, _at(row, length)) for t, row in zip(tree_tokens, copies)) / (costs.verify(tree_nodes + length) + costs.draft)
 
-    return best_length(list(range(max(len(rates) for rates in copies) + 1)), value, lambda length: costs.verify(tree_nodes + length))
+    return best_length(list(range(max(len(row) for row in copies))), value, lambda length: costs.verify(tree_nodes + length))
 
 
 def cut(proposal: PathProposal, length: int) -> PathProposal:

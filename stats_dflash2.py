@@ -56,19 +56,13 @@ class DFlash2Stats:
             self.accepted_per_position[i] += int(i < accepted)
 
     def merge(self, other: "DFlash2Stats") -> "DFlash2Stats":
-        """Pool another run's steps into this one (e.g. over a prompt set)."""
-        self.accept_lengths += other.accept_lengths
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)]
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
-        self.new_tokens += other.new_tokens
-        self.seconds += other.seconds
-        self.draft_seconds += other.draft_seconds
-        self.rollback_seconds += other.rollback_seconds
-        self.proposers += other.proposers
-        self.forwards += other.forwards
-        self.row_accept_lengths += other.row_accept_lengths  # rows of every pooled batch, in order
+        """Pool another run's steps into this one (e.g. over a prompt set): counts and times add, per-step lists
+        (and every pooled batch's rows) extend in order."""
+        for name in ("accept_lengths", "proposers", "row_accept_lengths", "drafted", "accepted", "new_tokens", "seconds",
+                     "draft_seconds", "rollback_seconds", "forwards"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("drafted_per_position", "accepted_per_position"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
         self.batch_size = max(self.batch_size, other.batch_size)
         for name, counts in other.per_proposer.items():
             mine = self.per_proposer.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})

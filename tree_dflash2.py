@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
@@ -46,17 +47,14 @@ class TokenTree:
             out.append(out[self.parents[i]] + [self.tokens[i]])
         return out
 
-    def ancestor_mask(self, size: int | None = None) -> list[list[bool]]:
-        """[size, size] bool, as host lists (size: the nodes by default): node i sees node j iff j is i or one of its
-        ancestors; a padding row past the nodes sees only itself."""
-        n = len(self)
-        size = n if size is None else size
-        rows = []
-        for i in range(size):
-            row = list(rows[self.parents[i]]) if i < n and self.parents[i] >= 0 else [False] * size
-            row[i] = True
-            rows.append(row)
-        return rows
+    def ancestor_mask(self, size: int | None = None) -> np.ndarray:
+        """[size, size] bool (size: the nodes by default): node i sees node j iff j is i or one of its ancestors; a
+        padding row past the nodes sees only itself. Built row from parent row (parents precede their children)."""
+        size = len(self) if size is None else size
+        mask = np.eye(size, dtype=bool)
+        for i, parent in enumerate(self.parents[1:], start=1):
+            mask[i] |= mask[parent]
+        return mask
 
 
 def root_tree(anchor: int) -> TokenTree:
@@ -142,12 +140,13 @@ def tree_attention_mask(trees, past_mask: torch.Tensor, dtype, key_length: int |
     rows = max(len(tree) for tree in trees) if n_rows is None else n_rows
     keys = past + rows if key_length is None else key_length
     device = past_mask.device
-    real = torch.tensor([[i < len(tree) for i in range(rows)] for tree in trees], device=device)  # [b, rows]
-    allowed = torch.zeros(len(trees), rows, keys, dtype=torch.bool, device=device)  # [b, rows, keys]: stale slots masked
-    allowed[:, :, :past] = past_mask.bool()[:, None, :] & real[:, :, None]  # the context (padding rows: none)
-    allowed[:, :, past : past + rows] = torch.tensor([tree.ancestor_mask(rows) for tree in trees], device=device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    real = torch.arange(rows, device=device) < torch.tensor([len(tree) for tree in trees], device=device)[:, None]  # [b, rows]
+    pieces = [past_mask.bool()[:, None, :] & real[:, :, None],  # [b, rows, past] the context (padding rows: none)
+              torch.from_numpy(np.stack([tree.ancestor_mask(rows) for tree in trees])).to(device)]  # [b, rows, rows]
+    if keys > past + rows:
+        pieces.append(real.new_zeros(len(trees), rows, keys - past - rows))  # stale static slots: masked
+    allowed = torch.cat(pieces, dim=-1)  # [b, rows, keys]
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[:, None]
 
 
 def static_cache_length(cache) -> int | None:

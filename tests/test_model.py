@@ -228,6 +228,12 @@ def test_draft_vocabulary_head_and_walk_equal_the_full_ones_restricted():
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.candidates, b.candidates)
         torch.testing.assert_close(a.log_q, b.log_q)
     assert d.draft_head(head) is not head and tiny_drafter().draft_head(head) is head
+    assert d.draft_head(head) is sub  # copied once per head
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # a head that changed (training) gets a fresh copy of its rows
+    torch.testing.assert_close(d.draft_logits(d.draft_head(head), h), d.draft_logits(head, h)[..., ids])
+    d.config.draft_vocab_ids = vocab[:-1]  # so does another id list
+    assert d.draft_head(head).weight.shape[0] == len(vocab) - 1
 
 
 def test_eager_and_sdpa_agree():
