@@ -70,6 +70,21 @@ def test_benchmark_summary_and_table():
     assert "| bfloat16 | 0 | s | dflash2 | 11.0 | 7.0 | 2.0 | 2.0 |" in benchmark.profile_table(rows)
 
 
+def test_engine_ab_summary_pairs_each_batch():
+    """bench_engine: medians per version, and after / before ratios taken batch by batch (the pairing is the point)."""
+    from dflash2_tools import bench_engine
+
+    def run(engine_ms, tok_per_s):
+        return {"engine_ms": engine_ms, "tokens_per_forward": 2.0, "tok_per_s": tok_per_s}
+
+    rows = [{"set": "s", "batch_size": 4, "batch": k, "before": run(b, 10.0), "after": run(a, t), "same_output": k != 2}
+            for k, (b, a, t) in enumerate([(2.0, 1.0, 11.0), (4.0, 3.0, 12.0), (3.0, 3.0, 9.0)])]
+    (summary,) = bench_engine.summarize(rows)
+    assert summary["before_engine_ms"] == 3.0 and summary["after_engine_ms"] == 3.0  # the medians alone: no change
+    assert summary["engine_ms_ratio"] == 0.75 and summary["speed_ratio"] == 1.1  # paired: 0.5, 0.75, 1.0 / 1.1, 1.2, 0.9
+    assert summary["same_output"] == 2 and "| s | 4 | 3.00 -> 3.00 | 0.75x | 1.100x | 2.00 -> 2.00 | 2/3 |" in bench_engine.table([summary])
+
+
 def test_benchmark_llamacpp_rows_are_measured_against_both_targets():
     runs = []
     for pid, (t_hf, t_cpp, t_cpp_spec) in enumerate([(10.0, 60.0, 30.0), (10.0, 80.0, 20.0), (20.0, 100.0, 100.0)]):
