@@ -211,6 +211,11 @@ class PathProposal:
     log_q: object = None  # torch.Tensor [L, V] or None
 
 
+def _at(prefixes: list[float], length: int) -> float:
+    """A proposal's expected tokens at ``length`` (``expected_prefixes``; past its end: the whole proposal)."""
+    return prefixes[min(length, len(prefixes) - 1)]
+
+
 def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: StepCosts) -> int:
     """The one proposal length L the step verifies for every row: the least expected tokens of any row per unit of the
     batch's cost (a batch runs until its slowest row is done; summing over rows lost to the target's batched
@@ -219,7 +224,7 @@ def batch_length(proposals: list[PathProposal], rules: list[HybridRule], costs: 
                               rule.outcomes else 1.0) for p, rule in zip(proposals, rules)]  # per row, per length
 
     def value(length: int) -> float:
-        return min(row[min(length, len(row) - 1)] for row in rows) / costs.verify(length)
+        return min(_at(row, length) for row in rows) / costs.verify(length)
 
     return best_length(sorted({0} | {len(p.tokens) for p in proposals}), value, costs.verify)
 
@@ -233,11 +238,6 @@ def best_length(lengths: list[int], value, cost) -> int:
         if v > best_value + 1e-9 or (v >= best_value - 1e-9 and cost(length) <= cost(best)):
             best, best_value = length, v
     return best
-
-
-def _at(prefixes: list[float], length: int) -> float:
-    """A proposal's expected tokens at ``length`` (``expected_prefixes``; past its end: the whole proposal)."""
-    return prefixes[min(length, len(prefixes) - 1)]
 
 
 def _copied_prefixes(rules: list[HybridRule], matches: list) -> list[list[float]]:
